@@ -1,0 +1,72 @@
+"""Request state as the scheduler and the engine loop see it.
+
+Lifecycle::
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED_{STOPPED,LENGTH,ABORTED}
+       ^                     |
+       +----- PREEMPTED <----+   (KV freed; recomputed from all tokens when rescheduled)
+
+``num_computed_tokens`` counts tokens whose KV is in the cache. A step computes
+tokens ``num_computed_tokens .. num_tokens - 1`` (or a chunk of them); when a
+step reaches ``num_tokens`` the request samples its next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.scheduler.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    # Filled by the output processor: detokenizer state, text, logprobs.
+    output: Any = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

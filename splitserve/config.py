@@ -1,0 +1,130 @@
+"""Every engine setting, defined once.
+
+``EngineConfig`` is what ``LLM(...)``, the CLI and YAML deployment configs
+build. Unknown keys are errors that name the key and list the accepted ones.
+Environment variables are read here and nowhere else (see ``ENV_VARS``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEVICES = ("cpu", "cuda")
+
+# name -> (meaning, default). The only environment variables splitserve reads.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "SPLITSERVE_DEVICE": ("default device when none is given: cpu or cuda", ""),
+    "SPLITSERVE_LOG_LEVEL": ("logging level of the splitserve loggers", "INFO"),
+}
+
+
+def env(name: str) -> str:
+    if name not in ENV_VARS:
+        raise KeyError(
+            f"unknown splitserve environment variable {name!r}; known: {sorted(ENV_VARS)}"
+        )
+    return os.environ.get(name, ENV_VARS[name][1])
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; accepted: {', '.join(DTYPES)}")
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    device = device or env("SPLITSERVE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = device.split(":")[0]
+    if kind not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; accepted: {', '.join(DEVICES)}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device 'cuda' was asked for, but torch sees no CUDA GPU; use --device cpu"
+        )
+    return torch.device(device)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 0.5  # used when num_kv_blocks is None
+    enable_prefix_caching: bool = True
+
+    def check(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"invalid block_size={self.block_size}: must be a power of two >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"invalid num_kv_blocks={self.num_kv_blocks}: must be >= 2")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"invalid kv_cache_memory_gb={self.kv_cache_memory_gb}: must be > 0")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64  # cap on running requests
+    max_num_batched_tokens: int = 2048  # per-step token budget
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def check(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"invalid max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"invalid max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"invalid max_model_len={self.max_model_len}: must be >= 1")
+
+
+@dataclass
+class EngineConfig:
+    model: str = "qwen3-tiny"  # a directory with a HF checkpoint, or a preset name
+    dtype: str = "float32"
+    device: str | None = None  # None: cuda when available, else cpu
+    seed: int = 0  # seed of random-init presets and of unseeded sampling
+    attention_backend: str = "auto"  # auto | torch
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+        self.cache.check()
+        self.scheduler.check()
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        """Build from nested dicts (YAML), rejecting unknown keys by name."""
+        nested = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in nested:
+                kwargs[key] = nested[key](**_known(nested[key], value, prefix=f"{key}."))
+            else:
+                kwargs[key] = value
+        return cls(**_known(cls, kwargs))
+
+
+def _known(cls: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in values:
+        if key not in names:
+            raise ValueError(
+                f"unknown config key {prefix}{key!r}; accepted: {', '.join(sorted(names))}"
+            )
+    return values

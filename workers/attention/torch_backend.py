@@ -1,0 +1,97 @@
+"""Reference attention in plain torch, reading the paged KV cache.
+
+Works on CPU and GPU for every phase. Decode steps (one query row per request)
+run batched: each request's blocks are gathered into a padded ``[batch,
+max_len]`` view and masked by sequence length. Prefill and mixed steps run per
+request, so a chunk attends its cached prefix plus itself under a causal mask.
+Softmax is computed in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
+from splitserve.workers.forward_batch import ForwardBatch, Phase
+
+
+@dataclass
+class TorchAttentionMetadata:
+    gather_index: torch.Tensor  # [batch, max_seq_len] slot of every KV token (0-padded)
+    key_mask: torch.Tensor  # [batch, max_seq_len] True where the key is real
+    query_spans: list[tuple[int, int]]  # rows of each request in the packed query
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def plan(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        block_size = fb.kv_cache.block_size
+        max_len = max(fb.seq_lens)
+        offsets = torch.arange(max_len, device=fb.block_tables.device)
+        blocks = fb.block_tables.long().gather(1, (offsets // block_size).expand(fb.batch_size, -1))
+        gather_index = blocks * block_size + offsets % block_size
+        key_mask = offsets[None, :] < fb.seq_lens_tensor[:, None]
+        starts = fb.query_start_loc.tolist()
+        spans = list(zip(starts[:-1], starts[1:]))
+        fb.attn_metadata = TorchAttentionMetadata(gather_index, key_mask, spans)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionSpec,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
+        store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
+        meta: TorchAttentionMetadata = forward_batch.attn_metadata
+        flat_k = k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+        flat_v = v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+        if forward_batch.phase == Phase.DECODE:
+            keys, values = flat_k[meta.gather_index], flat_v[meta.gather_index]
+            return _attend(q[:, None], keys, values, meta.key_mask[:, None, :], layer)[:, 0]
+        out = torch.empty_like(q)
+        for i, (start, end) in enumerate(meta.query_spans):
+            seq_len = forward_batch.seq_lens[i]
+            index = meta.gather_index[i, :seq_len]
+            q_len = end - start
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            out[start:end] = _attend(
+                q[None, start:end], flat_k[index][None], flat_v[index][None], mask[None], layer
+            )[0]
+        return out
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reshape-and-cache reference: write each token's K/V at its slot; slot -1 is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k.shape[1:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v.shape[1:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def _attend(
+    q: torch.Tensor,  # [batch, q_len, num_heads, head_dim]
+    k: torch.Tensor,  # [batch, kv_len, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [batch, q_len, kv_len] bool
+    layer: AttentionSpec,
+) -> torch.Tensor:
+    group = layer.num_heads // layer.num_kv_heads
+    k = k.repeat_interleave(group, dim=2).float()
+    v = v.repeat_interleave(group, dim=2).float()
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * layer.scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(q.dtype)

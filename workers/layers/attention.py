@@ -1,0 +1,29 @@
+"""The attention call inside a model: hands q/k/v to the step's backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.workers.attention.base import AttentionSpec
+from splitserve.workers.forward_batch import ForwardBatch
+
+
+class Attention(nn.Module):
+    """Paged attention over the KV cache; the backend comes with the batch."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.spec = AttentionSpec(layer_id, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        s = self.spec
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        out = forward_batch.attn_backend.forward(q, k, v, s, forward_batch)
+        return out.reshape(-1, s.num_heads * s.head_dim)

@@ -1,0 +1,29 @@
+"""What the engine hands back to callers, one RequestOutput per request per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    logprobs: list[Any] | None = None  # TokenLogprobs per generated token, when asked for
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    new_text: str = ""  # text added by this step (for streaming)
+    new_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # set when the request was rejected
