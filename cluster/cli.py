@@ -7,7 +7,6 @@ import logging
 import sys
 
 from splitserve.cluster import generate_command
-
 from splitserve.config import env
 
 

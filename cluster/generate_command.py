@@ -8,9 +8,8 @@ import json
 import sys
 from typing import Any
 
-from splitserve.scheduler.sampling_params import SamplingParams
-
 from splitserve.config import DEVICES, DTYPES
+from splitserve.scheduler.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = ["The capital of France is", "Prefill computes the prompt; decode"]
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

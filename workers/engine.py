@@ -11,6 +11,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from splitserve.config import EngineConfig, resolve_device, resolve_dtype
+from splitserve.errors import InvalidRequestError
 from splitserve.scheduler.block_manager import BlockManager
 from splitserve.scheduler.request import Request, RequestStatus
 from splitserve.scheduler.sampling_params import SamplingParams
@@ -23,9 +25,6 @@ from splitserve.workers.output_processor import OutputProcessor
 from splitserve.workers.outputs import RequestOutput
 from splitserve.workers.sampler import Sampler
 from splitserve.workers.tokenizer import load_tokenizer, tiny_tokenizer
-
-from splitserve.config import EngineConfig, resolve_device, resolve_dtype
-from splitserve.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.forward_batch import ForwardBatch
 from splitserve.workers.kv_cache import NULL_BLOCK, KVCache

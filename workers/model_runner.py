@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from splitserve.scheduler.request import Request
 from splitserve.scheduler.scheduler import SchedulerOutput, will_sample
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.input_batch import StepRequest, build_forward_batch
 from splitserve.workers.kv_cache import KVCache
 from splitserve.workers.sampler import Sampler, TokenLogprobs
-from torch import nn
 
 
 @dataclass

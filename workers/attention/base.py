@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
 from splitserve.workers.forward_batch import ForwardBatch
 
 

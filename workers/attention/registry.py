@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
 
