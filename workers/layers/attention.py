@@ -15,7 +15,9 @@ class Attention(nn.Module):
     def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
         self.spec = AttentionSpec(layer_id, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
 
     def forward(
