@@ -64,6 +64,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, backend, self.sampler, self.device)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.last_step = StepStats()
+        self.num_preemptions = 0
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             config.model,
@@ -91,8 +92,11 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
         self.output_processor.start(request, text)
-        self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
@@ -109,6 +113,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
+        self.num_preemptions += len(batch.preempted)
         if batch.is_empty:
             return []
         result = self.runner.execute(batch)

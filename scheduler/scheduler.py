@@ -1,0 +1,200 @@
+"""Continuous batching with chunked prefill, in vLLM v1's "tokens to compute" model.
+
+A request must compute its tokens ``num_computed_tokens .. num_tokens - 1``: a
+decode is one token, a prefill chunk is many, and one step can mix both. A step:
+
+1. The budget is ``max_num_batched_tokens`` tokens.
+2. RUNNING requests, in order, each take ``min(tokens left, budget)``. When the
+   KV cache has no room, the last running request is preempted by recompute
+   (its blocks are freed, ``num_computed_tokens`` drops to 0 and it goes to the
+   front of WAITING) until the allocation fits or the request preempted itself.
+3. Only if nothing was preempted: WAITING requests are admitted in FIFO order
+   while budget and ``max_num_seqs`` allow, each starting from its prefix-cache
+   hit. The first one that does not fit stops admission.
+
+The batch is the running requests first, then the newly admitted ones. After the
+model ran, ``update_from_output`` advances ``num_computed_tokens``, caches the
+blocks that became full, and appends the sampled tokens. A request samples when
+its scheduled tokens reach its end (``will_sample``); the model runner uses the
+same rule to pick the rows that become logits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.config import SchedulerConfig
+from splitserve.scheduler.block_manager import BlockManager
+from splitserve.scheduler.request import Request, RequestStatus
+
+
+def will_sample(request: Request, num_scheduled_tokens: int) -> bool:
+    """Whether a step that computes ``num_scheduled_tokens`` tokens samples a token.
+
+    Read before ``update_from_output`` advances ``request.num_computed_tokens``.
+    """
+    return request.num_computed_tokens + num_scheduled_tokens == request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    requests: list[Request] = field(default_factory=list)  # running first, then admitted
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # aligned with requests
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_scheduled_tokens.append(num_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        config.check()
+        if max_model_len < 1:
+            raise ValueError(f"invalid max_model_len={max_model_len}: must be >= 1")
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+
+    # ---- request bookkeeping ------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already scheduled")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        self._check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        """Reject a request that could never be scheduled (it would wait forever)."""
+        # The last sampled token is never fed back, so its KV is never computed.
+        max_len = request.num_prompt_tokens + request.sampling_params.max_tokens - 1
+        max_len = min(max_len, self.max_model_len)
+        capacity = self.block_manager.num_usable_blocks * self.block_manager.block_size
+        if max_len > capacity:
+            raise ValueError(
+                f"request {request.request_id!r} may need KV for {max_len} tokens, but the "
+                f"cache holds {capacity}; lower max_tokens or add KV blocks"
+            )
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and max_len > budget:
+            raise ValueError(
+                f"request {request.request_id!r} may need {max_len} tokens in one step, over "
+                f"max_num_batched_tokens={budget}; enable chunked prefill or raise the budget"
+            )
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def finish_request(self, request: str | Request, status: RequestStatus) -> bool:
+        """Stop a request wherever it is and free its KV; False if unknown or finished."""
+        if not status.finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        request_id = request if isinstance(request, str) else request.request_id
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = status
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- the step -----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(remaining, budget)
+            if n == 0 or (not self.config.enable_chunked_prefill and n < remaining):
+                i += 1
+                continue
+            while not self.block_manager.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return budget
+            out.add(req, n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed_blocks, num_hit = [], 0
+            if req.num_computed_tokens == 0:
+                computed_blocks, num_hit = self.block_manager.get_computed_blocks(req)
+            remaining = req.num_tokens - req.num_computed_tokens - num_hit
+            n = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and n < remaining:
+                break
+            if not self.block_manager.allocate_slots(req, n, computed_blocks):
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens += num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.add(req, n)
+            budget -= n
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance each scheduled request by its tokens and append its sampled token."""
+        for req, n in zip(output.requests, output.num_scheduled_tokens):
+            if req.is_finished:  # aborted after it was scheduled; its KV is gone
+                continue
+            req.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+            token = sampled.get(req.request_id)
+            if token is not None:
+                req.output_token_ids.append(token)
