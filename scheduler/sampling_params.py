@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
 
 @dataclass
 class SamplingParams:
@@ -66,4 +68,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows; such requests want greedy anyway.
+        return self.temperature < GREEDY_TEMPERATURE

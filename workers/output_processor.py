@@ -54,6 +54,7 @@ class OutputProcessor:
         )
         if stop_token and num_out >= params.min_tokens:
             request.stop_reason = token_id
+            state.text += state.detokenizer.flush()
             return RequestStatus.FINISHED_STOPPED
         state.text += new_text
         if params.stop and num_out >= params.min_tokens:
@@ -64,6 +65,7 @@ class OutputProcessor:
                 state.text, request.stop_reason = hit
                 return RequestStatus.FINISHED_STOPPED
         if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            state.text += state.detokenizer.flush()
             return RequestStatus.FINISHED_LENGTH
         return None
 

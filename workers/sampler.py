@@ -1,0 +1,137 @@
+"""Sampler: logits ``[B, V]`` -> one token (and optional logprobs) per request.
+
+Order, as in vLLM: penalties, min_tokens and bad-words masks on the raw logits;
+greedy rows take the argmax; the other rows divide by temperature, apply top-k,
+top-p and min-p, and sample by an exponential race (``argmax(probs / q)``,
+``q ~ Exp(1)``). A seeded request draws ``q`` from its own generator, one full
+vocabulary row per step, so its tokens do not depend on the rest of the batch.
+Logprobs always describe the raw model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.scheduler.request import Request
+from splitserve.workers.logits_processors import BadWords, apply_min_tokens, apply_penalties
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # of the sampled token, under log_softmax of the raw logits
+    top: list[tuple[int, float]]  # top-n (token_id, logprob) of the raw distribution, desc
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf what top-k (0 = off), top-p (keep the smallest head with cumulative
+    prob >= top_p) and then min-p (prob < min_p * max prob) drop. The top token stays."""
+    vocab_size = logits.shape[1]
+    use_k, use_p, use_min = (top_k > 0) & (top_k < vocab_size), top_p < 1.0, min_p > 0.0
+    if not (use_k.any() or use_p.any() or use_min.any()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab_size, device=logits.device)
+    sorted_logits.masked_fill_(rank >= torch.where(use_k, top_k, vocab_size)[:, None], -torch.inf)
+    if use_p.any():
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # exclusive cumsum; 0 at rank 0
+        drop = (mass_before >= top_p[:, None]) & use_p[:, None]
+        sorted_logits.masked_fill_(drop, -torch.inf)
+    if use_min.any():
+        probs = sorted_logits.softmax(dim=-1)
+        sorted_logits.masked_fill_(probs < min_p[:, None] * probs[:, :1], -torch.inf)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class Sampler:
+    def __init__(self, tokenizer, seed: int = 0) -> None:
+        self.seed = seed
+        self.bad_words = BadWords(tokenizer)
+        self._generator: torch.Generator | None = None  # for unseeded rows
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        assert logits.shape[0] == len(requests), (logits.shape, len(requests))
+        raw = logits.float()
+        x = raw.clone()
+        apply_penalties(x, requests)
+        apply_min_tokens(x, requests)
+        self.bad_words.apply(x, requests)
+        # A row with every token banned falls back to the unmasked argmax.
+        dead = x.amax(dim=-1) == -torch.inf
+        tokens = torch.where(dead, raw.argmax(dim=-1), x.argmax(dim=-1))
+        dead_rows = dead.tolist()
+        rows = [
+            i for i, r in enumerate(requests) if not r.sampling_params.greedy and not dead_rows[i]
+        ]
+        if rows:
+            tokens[rows] = self._sample(x[rows], [requests[i] for i in rows])
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(raw, token_ids, requests))
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        min_p = torch.tensor([p.min_p for p in params], device=device)
+        probs = filter_logits(logits / temperature[:, None], top_k, top_p, min_p).softmax(dim=-1)
+
+        q = torch.empty_like(probs)
+        unseeded = []
+        for i, r in enumerate(requests):
+            if r.sampling_params.seed is None:
+                unseeded.append(i)
+            else:
+                q[i].exponential_(generator=self._request_generator(r, device))
+        if unseeded:
+            if self._generator is None or self._generator.device != device:
+                self._generator = torch.Generator(device).manual_seed(self.seed)
+            noise = torch.empty(len(unseeded), probs.shape[1], device=device)
+            q[unseeded] = noise.exponential_(generator=self._generator)
+        # q == 0 would turn a banned token's 0 / q into NaN, which argmax prefers.
+        return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+    def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
+        gen = self._request_generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device).manual_seed(request.sampling_params.seed)
+            self._request_generators[request.request_id] = gen
+        return gen
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, token_ids: list[int], requests: list[Request]
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * len(requests)
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not rows:
+            return out
+        logprobs = torch.log_softmax(raw[rows], dim=-1)
+        chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=raw.device))
+        n = min(max(requests[i].sampling_params.logprobs for i in rows), raw.shape[1])
+        top_values, top_ids = logprobs.topk(n, dim=-1)
+        chosen, top_values, top_ids = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            k = requests[i].sampling_params.logprobs
+            top = list(zip(top_ids[j][:k], top_values[j][:k]))
+            out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+        return out
+
+    def release(self, request_id: str) -> None:
+        """Drop per-request state (generator, bad-word ids) once a request has ended."""
+        self._request_generators.pop(request_id, None)
+        self.bad_words.release(request_id)
