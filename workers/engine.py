@@ -46,13 +46,7 @@ class LLMEngine:
         model = load_model(self.hf_config, path, dtype, self.device, seed=config.seed)
         self.max_model_len = _max_model_len(config, self.hf_config)
         self.eos_token_ids = _eos_token_ids(self.hf_config, self.tokenizer)
-        kv_spec = KVCacheSpec(
-            num_layers=model.num_kv_layers,
-            num_kv_heads=self.hf_config.num_key_value_heads,
-            head_dim=_head_dim(self.hf_config),
-            block_size=config.cache.block_size,
-            dtype=dtype,
-        )
+        kv_spec = model.kv_spec.cache_spec(config.cache.block_size, dtype)
         num_blocks = _num_kv_blocks(config, kv_spec, self.max_model_len)
         self.kv_cache = KVCache(kv_spec, num_blocks, self.device)
         self.block_manager = BlockManager(
@@ -160,11 +154,6 @@ class LLMEngine:
                 f"{self.max_model_len}: a prompt may have at most {self.max_model_len - 1} tokens"
             )
         return text, token_ids
-
-
-def _head_dim(hf_config) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return head_dim or hf_config.hidden_size // hf_config.num_attention_heads
 
 
 def _max_model_len(config: EngineConfig, hf_config) -> int:

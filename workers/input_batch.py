@@ -49,7 +49,7 @@ def build_forward_batch(
         cu.append(cu[-1] + q)
 
     def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
 
     fb = ForwardBatch(
         phase=ForwardBatch.phase_of(query_lens, [r.num_computed for r in requests]),

@@ -24,8 +24,8 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         s = self.spec
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        q = q.reshape(-1, s.num_heads, s.head_dim)
+        k = k.reshape(-1, s.num_kv_heads, s.head_dim)
+        v = v.reshape(-1, s.num_kv_heads, s.head_dim)
         out = forward_batch.attn_backend.forward(q, k, v, s, forward_batch)
         return out.reshape(-1, s.num_heads * s.head_dim)

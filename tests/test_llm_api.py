@@ -1,0 +1,113 @@
+"""The offline API on the embedded preset: bad input, stop strings, seeds, abort."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from splitserve.errors import InvalidRequestError
+
+FREE = 255  # usable blocks of the engines below (256 minus the null page)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("qwen3-tiny", max_model_len=64, block_size=4, num_kv_blocks=FREE + 1)
+
+
+def test_one_bad_prompt_is_rejected_and_the_others_finish(llm):
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], list(range(1, 101)), {"prompt_token_ids": [1, 10**6]}, "", [8, 9]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.error is None for o in outs] == [True, False, False, False, True]
+    assert "100 tokens" in outs[1].error and "at most 63" in outs[1].error
+    assert "out of range" in outs[2].error and "[0, 512)" in outs[2].error
+    assert "empty" in outs[3].error
+    assert [len(o.outputs[0].token_ids) for o in (outs[0], outs[4])] == [8, 8]
+    assert llm.engine.block_manager.num_free_blocks == FREE
+
+
+def test_engine_rejects_with_a_clear_error(llm):
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        llm.engine.add_request("dup", [1, 2])
+        llm.engine.add_request("dup", [1, 2])
+    llm.engine.abort_request("dup")
+    with pytest.raises(InvalidRequestError, match="string or a list of token ids"):
+        llm.engine.add_request("x", 3.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"temperature": -1.0}, ["temperature", ">= 0"]),
+        ({"top_p": 0.0}, ["top_p", "(0, 1]"]),
+        ({"top_k": -3}, ["top_k", ">= 1"]),
+        ({"max_tokens": 0}, ["max_tokens", ">= 1"]),
+        ({"min_p": 2.0}, ["min_p", "[0, 1]"]),
+    ],
+)
+def test_invalid_sampling_values_name_the_field(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert all(w in str(e.value) for w in words)
+
+
+def test_bad_engine_settings_are_named():
+    with pytest.raises(ValueError, match="unknown dtype 'float8'; accepted: float32, bfloat16"):
+        LLM("qwen3-tiny", dtype="float8")
+    with pytest.raises(ValueError, match="qwen3-tiny"):
+        LLM("no-such-model")
+    with pytest.raises(ValueError, match="unknown config key 'blocksize'"):
+        LLM("qwen3-tiny", blocksize=8)
+
+
+def _token_boundaries(tokenizer, ids: list[int]) -> list[int]:
+    return [len(tokenizer.decode(ids[:i])) for i in range(1, len(ids))]
+
+
+def test_stop_string_across_tokens_is_cut_from_the_output(llm):
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    full = llm.generate(["Hello world"], greedy, use_tqdm=False)[0].outputs[0]
+    text = full.text
+    # A stop string made of the last character of one token and the next two characters.
+    cut = next(b for b in _token_boundaries(llm.tokenizer, full.token_ids) if 4 < b < len(text) - 2)
+    stop = text[cut - 1 : cut + 2]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    out = llm.generate(["Hello world"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    assert llm.engine.block_manager.num_free_blocks == FREE
+
+
+def test_seeded_sampling_ignores_the_rest_of_the_batch(llm):
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=10, temperature=1.3, top_k=50, ignore_eos=True)
+    alone = llm.generate(["Once upon"], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(
+        ["a b c", "Once upon", "The fox jumps"], [other, seeded, other], use_tqdm=False
+    )
+    assert mixed[1].outputs[0].token_ids == alone
+    unseeded = SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    assert llm.generate(["Once upon"], unseeded, use_tqdm=False)[0].outputs[0].token_ids != alone
+
+
+def test_abort_at_any_point_frees_every_block(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"a{i}", list(range(1 + i, 30 + i)), params)
+    engine.step()
+    engine.step()
+    assert engine.abort_request("a0")  # running
+    engine.add_request("late", [3, 4, 5], params)
+    assert engine.abort_request("late")  # still waiting
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "a1" and len(out.outputs[0].token_ids) == 5:
+                assert engine.abort_request("a1")  # mid-decode
+            if out.finished:
+                finished[out.request_id] = out
+    assert sorted(finished) == ["a2", "a3"]
+    assert not engine.abort_request("a2")  # already finished
+    assert engine.block_manager.num_free_blocks == FREE

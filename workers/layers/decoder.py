@@ -1,0 +1,79 @@
+"""The blocks every model composes: rope attention and the pre-norm decoder layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.workers.forward_batch import ForwardBatch
+from splitserve.workers.layers.attention import Attention
+from splitserve.workers.layers.layernorm import RMSNorm
+from splitserve.workers.layers.linear import Linear, QKVLinear
+from splitserve.workers.layers.rotary_embedding import RotaryEmbedding
+
+
+class RopeAttention(nn.Module):
+    """qkv -> per-head q/k norm (optional) -> rotary -> paged attention -> o_proj."""
+
+    def __init__(
+        self,
+        layer_id: int,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,  # shared by all layers (one cos/sin cache)
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qkv_proj = QKVLinear(hidden, num_heads, num_kv_heads, head_dim, qkv_bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(layer_id, num_heads, num_kv_heads, head_dim)
+        self.o_proj = Linear(num_heads * head_dim, hidden, bias=o_bias)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual stream travels beside the hidden state.
+
+    ``forward`` returns ``(hidden, residual)`` with the last add left for the
+    next layer's fused add-norm (or the final norm).
+    """
+
+    def __init__(self, self_attn: RopeAttention, mlp: nn.Module, hidden: int, rms_norm_eps: float):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden, rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden, rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual

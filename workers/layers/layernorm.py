@@ -1,0 +1,21 @@
+"""RMSNorm with the residual add of a decoder layer fused in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from splitserve.kernels.rmsnorm import rms_norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        return rms_norm(x, self.weight, self.eps, residual)
