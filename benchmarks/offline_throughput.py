@@ -68,9 +68,12 @@ def bench_transformers(engine: LLMEngine, batch: int, prompt_len: int, new_token
     ids = torch.randint(1, engine.hf_config.vocab_size, (batch, prompt_len))
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     with torch.inference_mode():
-        hf.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        mask = torch.ones_like(ids)
+        hf.generate(
+            ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
+        )
         start = time.perf_counter()
-        hf.generate(ids, **kwargs)
+        hf.generate(ids, attention_mask=mask, **kwargs)
     return batch * new_tokens / (time.perf_counter() - start)
 
 

@@ -89,10 +89,12 @@ def _attend(
     mask: torch.Tensor,  # [batch, q_len, kv_len] bool
     layer: AttentionSpec,
 ) -> torch.Tensor:
+    b, q_len, _, d = q.shape
+    # Grouped-query attention without copying K/V: query heads [kv_heads, group].
     group = layer.num_heads // layer.num_kv_heads
-    k = k.repeat_interleave(group, dim=2).float()
-    v = v.repeat_interleave(group, dim=2).float()
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) * layer.scale
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    q = q.view(b, q_len, layer.num_kv_heads, group, d).float()
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", q, k.float()) * layer.scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v).to(q.dtype)
+    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
+    return out.reshape(b, q_len, layer.num_heads, d).to(v.dtype)
