@@ -2,11 +2,12 @@
 
     python benchmarks/offline_throughput.py [--models qwen3-tiny ...] [--json docs/perf/x.json]
 
-Prefill: a batch of random prompts with max_tokens=1 (tokens/s over prompt
-tokens). Decode: a batch of short prompts generating a fixed number of tokens
-with ignore_eos; only decode-only steps are timed. The baseline, measured in
-the same run, is transformers' own greedy ``generate`` on the same weights
-(batch of equal-length prompts, KV cache on).
+Each figure is the median of --repeat runs.
+- prefill: a batch of random prompts with max_tokens=1; tokens/s over prompt tokens.
+- decode: a batch of short prompts generating a fixed number of tokens with
+  ignore_eos; only decode-only steps are timed.
+- baseline, measured in the same run: transformers' own greedy ``generate`` on
+  a model of the same config (batch of equal-length prompts, KV cache on).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import argparse
 import json
 import platform
 import time
+import zlib
 from pathlib import Path
+from statistics import median
 
 import torch
 
@@ -40,7 +43,7 @@ def run_to_completion(engine: LLMEngine) -> tuple[float, float, int]:
 
 
 def bench_prefill(engine: LLMEngine, num_prompts: int, prompt_len: int, tag: str) -> float:
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(zlib.crc32(tag.encode()))  # new prompts: no cache hits
     vocab = engine.hf_config.vocab_size
     for i in range(num_prompts):
         ids = torch.randint(1, vocab, (prompt_len,), generator=g).tolist()
@@ -50,7 +53,7 @@ def bench_prefill(engine: LLMEngine, num_prompts: int, prompt_len: int, tag: str
 
 
 def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int, tag: str):
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(zlib.crc32(tag.encode()))
     vocab = engine.hf_config.vocab_size
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     for i in range(batch):
@@ -60,21 +63,26 @@ def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int
     return decode_tokens / decode_s, 1e3 * decode_s / max(1, new_tokens - 1)
 
 
-def bench_transformers(engine: LLMEngine, batch: int, prompt_len: int, new_tokens: int) -> float:
+def bench_transformers(engine: LLMEngine, args) -> tuple[float, float]:
+    """transformers on a model of the same config: (prefill tok/s, generate tok/s)."""
     from transformers import AutoModelForCausalLM
 
     # Speed is compared, not outputs: the baseline keeps its own random weights.
     hf = AutoModelForCausalLM.from_config(engine.hf_config).eval()
-    ids = torch.randint(1, engine.hf_config.vocab_size, (batch, prompt_len))
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    vocab = engine.hf_config.vocab_size
+    prompts = torch.randint(1, vocab, (args.num_prompts, args.prompt_len))
+    ids = torch.randint(1, vocab, (args.batch, 16))
+    n = args.new_tokens
     with torch.inference_mode():
-        mask = torch.ones_like(ids)
-        hf.generate(
-            ids, attention_mask=mask, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2}
-        )
+        hf(prompts[:2], use_cache=False)  # warm-up
         start = time.perf_counter()
-        hf.generate(ids, attention_mask=mask, **kwargs)
-    return batch * new_tokens / (time.perf_counter() - start)
+        hf(prompts, use_cache=False)
+        prefill = prompts.numel() / (time.perf_counter() - start)
+        mask = torch.ones_like(ids)
+        hf.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return prefill, args.batch * n / (time.perf_counter() - start)
 
 
 def bench_model(model: str, args) -> dict:
@@ -85,17 +93,24 @@ def bench_model(model: str, args) -> dict:
     )
     engine = LLMEngine(config)
     bench_prefill(engine, 2, args.prompt_len, "warm")
-    prefill = bench_prefill(engine, args.num_prompts, args.prompt_len, "run")
     bench_decode(engine, 4, 8, 4, "warm")
-    decode, step_ms = bench_decode(engine, args.batch, 16, args.new_tokens, "run")
-    baseline = bench_transformers(engine, args.batch, 16, args.new_tokens)
+    runs = range(args.repeat)
+    prefill = median(
+        bench_prefill(engine, args.num_prompts, args.prompt_len, f"r{i}") for i in runs
+    )
+    decode_runs = [bench_decode(engine, args.batch, 16, args.new_tokens, f"r{i}") for i in runs]
+    decode, step_ms = median(d for d, _ in decode_runs), median(ms for _, ms in decode_runs)
+    hf_runs = [bench_transformers(engine, args) for _ in runs]
+    hf_prefill, hf_decode = median(p for p, _ in hf_runs), median(d for _, d in hf_runs)
     return {
         "model": model,
-        "prefill_tok_s": round(prefill, 1),
-        "decode_tok_s": round(decode, 1),
+        "prefill_tok_s": round(prefill),
+        "hf_prefill_tok_s": round(hf_prefill),
+        "prefill_vs_hf": round(prefill / hf_prefill, 2),
+        "decode_tok_s": round(decode),
+        "hf_generate_tok_s": round(hf_decode),
+        "decode_vs_hf": round(decode / hf_decode, 2),
         "decode_step_ms": round(step_ms, 2),
-        "hf_generate_tok_s": round(baseline, 1),
-        "decode_vs_hf": round(decode / baseline, 2),
     }
 
 
@@ -106,14 +121,15 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3, help="runs per figure; the median is shown")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args()
     torch.manual_seed(0)
     rows = [bench_model(m, args) for m in args.models]
     header = list(rows[0])
-    print(" | ".join(f"{h:>18}" for h in header))
+    print(" | ".join(f"{h:>17}" for h in header))
     for r in rows:
-        print(" | ".join(f"{r[h]!s:>18}" for h in header))
+        print(" | ".join(f"{r[h]!s:>17}" for h in header))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {

@@ -4,7 +4,7 @@ Works on CPU and GPU for every phase. Decode steps (one query row per request)
 run batched: each request's blocks are gathered into a padded ``[batch,
 max_len]`` view and masked by sequence length. Prefill and mixed steps run per
 request, so a chunk attends its cached prefix plus itself under a causal mask.
-Softmax is computed in float32.
+Attention runs in float32 through torch SDPA (grouped-query heads, boolean mask).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
@@ -89,12 +90,12 @@ def _attend(
     mask: torch.Tensor,  # [batch, q_len, kv_len] bool
     layer: AttentionSpec,
 ) -> torch.Tensor:
-    b, q_len, _, d = q.shape
-    # Grouped-query attention without copying K/V: query heads [kv_heads, group].
-    group = layer.num_heads // layer.num_kv_heads
-    q = q.view(b, q_len, layer.num_kv_heads, group, d).float()
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", q, k.float()) * layer.scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.float())
-    return out.reshape(b, q_len, layer.num_heads, d).to(v.dtype)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2).float(),
+        k.transpose(1, 2).float(),
+        v.transpose(1, 2).float(),
+        attn_mask=mask[:, None],
+        scale=layer.scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).to(v.dtype)
