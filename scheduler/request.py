@@ -63,6 +63,13 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a decode reads one)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+
     @property
     def is_finished(self) -> bool:
         return self.status.finished

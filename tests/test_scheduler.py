@@ -339,3 +339,14 @@ def test_no_block_leaks_under_random_load(seed, chunked):
     assert all(r.is_finished for r in seen)
     assert sum(r.num_preemptions for r in seen) > 0  # the KV cache was tight
     assert any(r.num_cached_tokens > 0 for r in seen)  # prefixes were shared
+
+
+def test_token_ids_between_equals_a_slice_of_all_tokens():
+    from splitserve.scheduler.request import Request
+    from splitserve.scheduler.sampling_params import SamplingParams
+
+    req = Request("r", [1, 2, 3, 4], SamplingParams())
+    req.output_token_ids = [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 9):
+            assert req.token_ids_between(start, end) == req.all_token_ids[start:end]

@@ -68,10 +68,6 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    @property
-    def model(self):
-        return self.runner.model
-
     # -- requests ------------------------------------------------------------
 
     def add_request(

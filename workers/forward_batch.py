@@ -50,12 +50,20 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(_is_decode(q, s - q) for q, s in zip(self.query_lens, self.seq_lens))
+
     @staticmethod
     def phase_of(query_lens: list[int], num_computed: list[int]) -> Phase:
         """Decode when every request adds one token to an existing KV."""
-        decoding = [q == 1 and c > 0 for q, c in zip(query_lens, num_computed)]
+        decoding = [_is_decode(q, c) for q, c in zip(query_lens, num_computed)]
         if all(decoding):
             return Phase.DECODE
         if any(decoding):
             return Phase.MIXED
         return Phase.PREFILL
+
+
+def _is_decode(query_len: int, num_computed: int) -> bool:
+    return query_len == 1 and num_computed > 0

@@ -49,14 +49,14 @@ class ModelRunner:
         if out is not None:
             for r, tok, lp in zip(sampling, out.token_ids, out.logprobs):
                 sampled[r.request_id] = (tok, lp)
-        decode = sum(1 for s in steps if len(s.new_token_ids) == 1 and s.num_computed > 0)
+        decode = fb.num_decode_tokens
         return StepResult(sampled, fb.num_tokens - decode, decode)
 
 
 def _step_request(request: Request, num_tokens: int) -> StepRequest:
     start = request.num_computed_tokens
     return StepRequest(
-        new_token_ids=request.all_token_ids[start : start + num_tokens],
+        new_token_ids=request.token_ids_between(start, start + num_tokens),
         num_computed=start,
         block_ids=request.block_ids,
         sample=will_sample(request, num_tokens),
