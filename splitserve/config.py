@@ -125,6 +125,6 @@ def _known(cls: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any
     for key in values:
         if key not in names:
             raise ValueError(
-                f"unknown config key {prefix}{key!r}; accepted: {', '.join(sorted(names))}"
+                f"unknown config key '{prefix}{key}'; accepted: {', '.join(sorted(names))}"
             )
     return values

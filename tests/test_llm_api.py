@@ -111,3 +111,54 @@ def test_abort_at_any_point_frees_every_block(llm):
     assert sorted(finished) == ["a2", "a3"]
     assert not engine.abort_request("a2")  # already finished
     assert engine.block_manager.num_free_blocks == FREE
+
+
+def test_step_outputs_stream_deltas_and_count_tokens(llm):
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    engine.add_request("s0", [5, 6, 7, 8, 9], params)
+    engine.add_request("s1", [10, 11, 12], params)
+    texts, tokens, finals = {"s0": "", "s1": ""}, {"s0": [], "s1": []}, {}
+    engine.step()
+    assert (engine.last_step.num_prefill_tokens, engine.last_step.num_decode_tokens) == (8, 0)
+    first = True
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        if first:
+            assert (engine.last_step.num_prefill_tokens, engine.last_step.num_decode_tokens) == (
+                0,
+                2,
+            )
+            first = False
+        for out in outs:
+            texts[out.request_id] += out.new_text
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    for rid, final in finals.items():
+        # The first token came with the prefill step, before the loop.
+        assert tokens[rid] == final.token_ids[1:]
+        assert final.text.endswith(texts[rid])
+        assert len(final.logprobs) == 6
+        assert all(
+            lp.token_id == t and len(lp.top) == 3 for lp, t in zip(final.logprobs, final.token_ids)
+        )
+        assert all(lp.logprob <= 0 for lp in final.logprobs)
+
+
+def test_engine_settings_that_cannot_work_are_named():
+    from splitserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="unknown config key 'cache.blok_size'"):
+        EngineConfig.from_dict({"cache": {"blok_size": 8}})
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=4096"):
+        LLM("qwen3-tiny", max_model_len=5000)
+    with pytest.raises(ValueError, match="needs 33"):
+        LLM("qwen3-tiny", max_model_len=128, block_size=4, num_kv_blocks=10)
+
+
+def test_unknown_environment_variable_is_an_error():
+    from splitserve.config import env
+
+    with pytest.raises(KeyError, match="SPLITSERVE_DEVCE"):
+        env("SPLITSERVE_DEVCE")
