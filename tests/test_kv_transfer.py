@@ -1,0 +1,178 @@
+"""KV transport: bytes arrive unchanged in the receiver's own blocks, failures are reported."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+from splitserve.workers.kv_transfer.cpu_transport import CpuKVTransport
+from splitserve.workers.kv_transfer.ticket import (
+    KVLayout,
+    TransferDone,
+    TransferTicket,
+    token_slots,
+)
+
+NUM_LAYERS, HEADS, DIM = 3, 2, 8
+
+
+def _cache(block_size: int, num_blocks: int = 32, dtype=torch.float32, heads=HEADS) -> KVCache:
+    cache = KVCache(KVCacheSpec(NUM_LAYERS, heads, DIM, block_size, dtype), num_blocks, "cpu")
+    gen = torch.Generator().manual_seed(block_size)
+    for t in cache.k + cache.v:
+        t[1:] = torch.randn(t[1:].shape, generator=gen).to(dtype)  # page 0 stays zero
+    return cache
+
+
+def _tokens(cache: KVCache, layer: int, block_ids: list[int], start: int, end: int):
+    slots = token_slots(block_ids, cache.block_size, start, end)
+    k, v = cache.layer(layer)
+    return k.view(-1, HEADS, DIM)[slots], v.view(-1, HEADS, DIM)[slots]
+
+
+def _wait(transport, n: int = 1, timeout: float = 10.0):
+    events, deadline = [], time.monotonic() + timeout
+    while len(events) < n and time.monotonic() < deadline:
+        events += transport.poll()
+        time.sleep(0.005)
+    return events
+
+
+@pytest.fixture
+def pair():
+    sender = CpuKVTransport(_cache(block_size=16, dtype=torch.bfloat16), timeout_s=5.0)
+    receiver = CpuKVTransport(_cache(block_size=4, dtype=torch.bfloat16), timeout_s=5.0)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def _hand_off(sender, receiver, rid, src_blocks, dst_blocks, start, num_tokens, first=7):
+    ticket = receiver.make_ticket(rid, dst_blocks, start, num_tokens, NUM_LAYERS)
+    receiver.expect(ticket)
+    ticket = TransferTicket.unpack(ticket.pack())  # it travels as msgpack
+    sender.start_send(ticket, src_blocks)
+    for layer in range(NUM_LAYERS):
+        sender.send_layer(rid, layer)
+    sender.finish_send(rid, TransferDone(rid, first, -0.5, [(first, -0.5), (3, -1.5)]))
+    return ticket
+
+
+def test_kv_arrives_byte_identical_across_block_sizes(pair):
+    sender, receiver = pair
+    src_blocks, dst_blocks = [5, 2, 9], [3, 11, 4, 20, 7, 8, 30, 1, 6, 12]  # 40 tokens
+    before = [t.clone() for t in receiver.kv_cache.k + receiver.kv_cache.v]
+    _hand_off(sender, receiver, "r1", src_blocks, dst_blocks, start=4, num_tokens=37)
+    (recv_event,) = _wait(receiver)
+    assert recv_event.ok and recv_event.side == "recv"
+    assert recv_event.done.first_token == 7 and recv_event.done.top_logprobs == [(7, -0.5), (3, -1.5)]
+    (send_event,) = _wait(sender)
+    assert send_event.ok and send_event.side == "send"
+    for layer in range(NUM_LAYERS):
+        sent = _tokens(sender.kv_cache, layer, src_blocks, 4, 37)
+        got = _tokens(receiver.kv_cache, layer, dst_blocks, 4, 37)
+        for a, b in zip(sent, got):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # Tokens before start_token (the receiver's prefix hit) and every other slot are untouched.
+    written = set(token_slots(dst_blocks, 4, 4, 37).tolist())
+    for old, new in zip(before, receiver.kv_cache.k + receiver.kv_cache.v):
+        flat_old, flat_new = old.view(-1, HEADS, DIM), new.view(-1, HEADS, DIM)
+        untouched = [s for s in range(flat_old.shape[0]) if s not in written]
+        assert torch.equal(flat_old[untouched], flat_new[untouched])
+    assert sender.num_in_flight == 0 and receiver.num_in_flight == 0
+
+
+def test_many_transfers_to_one_peer_stay_ordered(pair):
+    sender, receiver = pair
+    for i in range(8):
+        _hand_off(sender, receiver, f"r{i}", [1 + i], [1 + 4 * i, 2 + 4 * i], 0, 6, first=i)
+    events = _wait(receiver, 8)
+    assert sorted(e.done.first_token for e in events) == list(range(8))
+    assert all(e.ok for e in events + _wait(sender, 8))
+
+
+def test_receiver_cancel_nacks_the_sender(pair):
+    sender, receiver = pair
+    ticket = receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS)
+    receiver.expect(ticket)
+    sender.start_send(ticket, [3])
+    sender.send_layer("r1", 0)
+    receiver.cancel("r1")
+    for layer in range(1, NUM_LAYERS):
+        sender.send_layer("r1", layer)
+    sender.finish_send("r1", TransferDone("r1", 1))
+    (event,) = _wait(sender)
+    assert not event.ok and "no longer expects" in event.error
+    assert receiver.poll() == []  # a cancel on this side reports nothing
+
+
+def test_sender_cancel_fails_the_receiver(pair):
+    sender, receiver = pair
+    ticket = receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS)
+    receiver.expect(ticket)
+    sender.start_send(ticket, [3])
+    sender.send_layer("r1", 0)
+    sender.cancel("r1")
+    (event,) = _wait(receiver)
+    assert not event.ok and "cancelled" in event.error
+    assert sender.poll() == []
+
+
+def test_missing_layers_fail_the_transfer(pair):
+    sender, receiver = pair
+    ticket = receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS)
+    receiver.expect(ticket)
+    sender.start_send(ticket, [3])
+    sender.send_layer("r1", 0)
+    sender.finish_send("r1", TransferDone("r1", 1))
+    (event,) = _wait(receiver)
+    assert not event.ok and f"received 1 of {NUM_LAYERS} KV layers" in event.error
+    (event,) = _wait(sender)
+    assert not event.ok
+
+
+def test_timeout_when_the_sender_never_comes():
+    receiver = CpuKVTransport(_cache(4), timeout_s=0.2)
+    try:
+        receiver.expect(receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS))
+        (event,) = _wait(receiver, timeout=3.0)
+        assert not event.ok and "timed out" in event.error
+        assert receiver.num_in_flight == 0
+    finally:
+        receiver.close()
+
+
+def test_dead_receiver_fails_the_sender():
+    sender = CpuKVTransport(_cache(16), timeout_s=5.0)
+    receiver = CpuKVTransport(_cache(4), timeout_s=5.0)
+    try:
+        ticket = receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS)
+        receiver.expect(ticket)
+        sender.start_send(ticket, [3])
+        sender.send_layer("r1", 0)
+        time.sleep(0.1)
+        receiver.close()
+        (event,) = _wait(sender)
+        assert not event.ok and "went away" in event.error
+        assert sender.num_in_flight == 0
+    finally:
+        sender.close()
+
+
+def test_layout_mismatch_is_a_clear_error(pair):
+    sender, _ = pair
+    other = CpuKVTransport(_cache(4, dtype=torch.float32, heads=4))
+    try:
+        ticket = other.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS)
+        with pytest.raises(ValueError, match="num_kv_heads: sender 2, receiver 4.*dtype"):
+            sender.start_send(ticket, [3])
+    finally:
+        other.close()
+
+
+def test_ticket_round_trips_through_msgpack():
+    t = TransferTicket("r", "10.0.0.1:5000", [1, 2], 16, 3, 20, 36, KVLayout(8, 128, "bfloat16"))
+    assert TransferTicket.unpack(t.pack()) == t

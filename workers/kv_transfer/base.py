@@ -1,0 +1,387 @@
+"""KVTransport: moves a prompt's KV from a prefill worker into a decode worker's blocks.
+
+Lifecycle of one hand-off (request ``r``)::
+
+    decode side                               prefill side
+    -----------                               ------------
+    make_ticket + expect(ticket)  EXPECTING
+                      ticket travels with the request (msgpack)
+                                              start_send(ticket, blocks)  SENDING
+      "layer" frames, in layer order   <----  send_layer(r, i) after layer i stored
+      scatter into own blocks    RECEIVING
+      "done" (first token)             <----  finish_send(r, done)  WAITING_FOR_ACK
+      poll() -> recv event       ARRIVED
+      "ack"                            ---->  poll() -> send event: free the blocks
+
+Either side may ``cancel(r)`` at any point (the other side is told), and a
+transfer not finished within ``timeout_s`` fails. Failures come out of
+``poll()`` as events with ``ok=False`` and an error message, so the engine
+frees the blocks and ends the request with that error.
+
+All frames between two workers go over one TCP connection per ordered pair,
+written by one writer thread, so frames for a peer stay in order. Subclasses
+move the layer data: ``CpuKVTransport`` in the frames themselves,
+``NcclKVTransport`` over NCCL with the frames as headers.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from splitserve.workers.kv_cache import KVCache
+from splitserve.workers.kv_transfer.framing import Connection, listen
+from splitserve.workers.kv_transfer.ticket import (
+    KVLayout,
+    TransferDone,
+    TransferTicket,
+    token_slots,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TransferState(enum.Enum):
+    EXPECTING = "expecting"  # receiver: blocks reserved, nothing arrived yet
+    RECEIVING = "receiving"  # receiver: some layers scattered
+    SENDING = "sending"  # sender: layers going out
+    WAITING_FOR_ACK = "waiting_for_ack"  # sender: "done" sent
+
+
+@dataclass
+class TransferEvent:
+    """A finished hand-off, from ``poll()``: ``side`` is "send" or "recv"."""
+
+    request_id: str
+    side: str
+    ok: bool
+    error: str | None = None
+    done: TransferDone | None = None  # the first token, on a successful receive
+
+
+@dataclass
+class Outgoing:
+    ticket: TransferTicket
+    src_slots: torch.Tensor  # sender cache slots of the transferred tokens
+    peer: Peer
+    deadline: float
+    state: TransferState = TransferState.SENDING
+    layers_sent: int = 0
+
+
+@dataclass
+class Incoming:
+    ticket: TransferTicket
+    dst_slots: torch.Tensor  # receiver cache slots of the transferred tokens
+    deadline: float
+    state: TransferState = TransferState.EXPECTING
+    layers_received: int = 0
+    conn: Connection | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Peer:
+    """An outgoing connection and its writer thread (frames leave in queue order)."""
+
+    def __init__(self, address: str, conn: Connection):
+        self.address = address
+        self.conn = conn
+        self.alive = True
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def post(self, header: dict[str, Any], payload: Any = b"") -> None:
+        self.queue.put((header, payload))
+
+
+class KVTransport(ABC):
+    name = "base"
+
+    def __init__(self, kv_cache: KVCache, host: str = "127.0.0.1", timeout_s: float = 60.0):
+        self.kv_cache = kv_cache
+        self.layout = KVLayout.of(kv_cache)
+        self.timeout_s = timeout_s
+        self._server = listen(host)
+        self.address = f"{host}:{self._server.getsockname()[1]}"
+        self._lock = threading.RLock()
+        self._outgoing: dict[str, Outgoing] = {}
+        self._incoming: dict[str, Incoming] = {}
+        self._peers: dict[str, Peer] = {}  # outgoing, by address
+        self._accepted: list[Connection] = []  # incoming
+        self._events: list[TransferEvent] = []
+        self._closed = False
+        threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
+
+    # ---- receiver half ------------------------------------------------------
+
+    def make_ticket(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        start_token: int,
+        num_tokens: int,
+        num_layers: int,
+    ) -> TransferTicket:
+        return TransferTicket(
+            request_id=request_id,
+            address=self.address,
+            block_ids=list(block_ids),
+            block_size=self.kv_cache.block_size,
+            start_token=start_token,
+            num_tokens=num_tokens,
+            num_layers=num_layers,
+            layout=self.layout,
+        )
+
+    def expect(self, ticket: TransferTicket) -> None:
+        t = ticket
+        slots = token_slots(t.block_ids, t.block_size, t.start_token, t.num_tokens)
+        incoming = Incoming(ticket, slots.to(self.device), time.monotonic() + self.timeout_s)
+        with self._lock:
+            self._incoming[ticket.request_id] = incoming
+
+    # ---- sender half --------------------------------------------------------
+
+    def start_send(self, ticket: TransferTicket, src_block_ids: list[int]) -> None:
+        """Check the ticket against this cache and open the peer; raise on a mismatch."""
+        self.layout.check_matches(ticket.layout)
+        if ticket.num_layers > self.kv_cache.spec.num_layers:
+            raise ValueError(
+                f"ticket asks for {ticket.num_layers} layers, the cache has "
+                f"{self.kv_cache.spec.num_layers}"
+            )
+        slots = token_slots(
+            src_block_ids, self.kv_cache.block_size, ticket.start_token, ticket.num_tokens
+        )
+        peer = self._peer(ticket.address)
+        outgoing = Outgoing(ticket, slots.to(self.device), peer, time.monotonic() + self.timeout_s)
+        with self._lock:
+            self._outgoing[ticket.request_id] = outgoing
+
+    def send_layer(self, request_id: str, layer_id: int) -> None:
+        """Send one layer's KV; call after the layer stored it (and before it changes)."""
+        with self._lock:
+            out = self._outgoing.get(request_id)
+        if out is None or out.state != TransferState.SENDING:
+            return
+        if layer_id >= out.ticket.num_layers:
+            return
+        header = {"kind": "layer", "request_id": request_id, "layer": layer_id}
+        self._send_layer_data(out, header)
+        out.layers_sent += 1
+
+    def finish_send(self, request_id: str, done: TransferDone) -> None:
+        with self._lock:
+            out = self._outgoing.get(request_id)
+            if out is None or out.state != TransferState.SENDING:
+                return
+            out.state = TransferState.WAITING_FOR_ACK
+        out.peer.post({"kind": "done", "layers": out.layers_sent, **asdict(done)})
+
+    # ---- both ---------------------------------------------------------------
+
+    def cancel(self, request_id: str) -> None:
+        """Drop the transfer on this side and tell the other side; no event follows."""
+        with self._lock:
+            out = self._outgoing.pop(request_id, None)
+            inc = self._incoming.pop(request_id, None)
+            if inc is not None:
+                self._release_incoming(inc)
+        if out is not None and out.peer.alive:
+            out.peer.post({"kind": "cancel", "request_id": request_id})
+
+    def poll(self) -> list[TransferEvent]:
+        """Transfers that ended since the last poll (timeouts are declared here)."""
+        now = time.monotonic()
+        expired = []
+        with self._lock:
+            for rid, t in list(self._outgoing.items()) + list(self._incoming.items()):
+                if t.deadline < now:
+                    expired.append(rid)
+            for rid in expired:
+                side = "send" if rid in self._outgoing else "recv"
+                self._fail(rid, side, f"KV transfer timed out after {self.timeout_s:.0f} s")
+            events, self._events = self._events, []
+        for rid in expired:
+            self.cancel(rid)
+        return events
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._outgoing) + len(self._incoming)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_cache.k[0].device
+
+    def close(self) -> None:
+        self._closed = True
+        self._server.close()
+        with self._lock:
+            peers, accepted = list(self._peers.values()), list(self._accepted)
+        for peer in peers:
+            peer.alive = False
+            peer.conn.close()
+        for conn in accepted:
+            conn.close()
+
+    # ---- data movement: subclasses ------------------------------------------
+
+    @abstractmethod
+    def _send_layer_data(self, out: Outgoing, header: dict[str, Any]) -> None:
+        """Post the header (and move the data) for one layer of ``out``."""
+
+    @abstractmethod
+    def _recv_layer_data(self, inc: Incoming | None, header: dict, payload: bytearray) -> None:
+        """Place one layer into ``inc``'s blocks; with ``inc`` None, consume and drop it."""
+
+    def _finish_incoming(self, inc: Incoming) -> None:
+        """Make the received KV visible to the engine (e.g. wait for a copy stream)."""
+
+    def _release_incoming(self, inc: Incoming) -> None:
+        """The engine is about to free ``inc``'s blocks: no write may still be in flight."""
+
+    def _on_connect(self, peer: Peer) -> None:
+        """A new outgoing connection (NCCL creates its communicator here)."""
+
+    def _on_hello(self, conn: Connection, header: dict[str, Any]) -> None:
+        """A peer introduced itself on an incoming connection."""
+
+    # ---- threads ------------------------------------------------------------
+
+    def _peer(self, address: str) -> Peer:
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is not None and peer.alive:
+                return peer
+        conn = Connection.connect(address, timeout_s=self.timeout_s)
+        peer = Peer(address, conn)
+        self._on_connect(peer)
+        with self._lock:
+            self._peers[address] = peer
+        threading.Thread(target=self._write_loop, args=(peer,), daemon=True).start()
+        threading.Thread(target=self._ack_loop, args=(peer,), daemon=True).start()
+        return peer
+
+    def _write_loop(self, peer: Peer) -> None:
+        try:
+            while peer.alive:
+                header, payload = peer.queue.get()
+                if header is None:
+                    break
+                peer.conn.send(header, payload)
+        except OSError as e:
+            self._peer_lost(peer, f"connection to decode worker {peer.address} failed: {e}")
+
+    def _ack_loop(self, peer: Peer) -> None:
+        try:
+            while True:
+                header, _ = peer.conn.recv()
+                if header["kind"] == "ack":
+                    self._on_ack(header)
+        except OSError as e:
+            self._peer_lost(peer, f"decode worker {peer.address} went away: {e}")
+
+    def _on_ack(self, header: dict[str, Any]) -> None:
+        with self._lock:
+            rid = header["request_id"]
+            if self._outgoing.pop(rid, None) is not None:
+                self._events.append(TransferEvent(rid, "send", header["ok"], header.get("error")))
+
+    def _peer_lost(self, peer: Peer, error: str) -> None:
+        with self._lock:
+            if not peer.alive and self._closed:
+                return
+            peer.alive = False
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+            for rid in [r for r, o in self._outgoing.items() if o.peer is peer]:
+                self._fail(rid, "send", error)
+        peer.queue.put((None, b""))
+        peer.conn.close()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            conn = Connection(sock)
+            with self._lock:
+                self._accepted.append(conn)
+            threading.Thread(target=self._serve_peer, args=(conn,), daemon=True).start()
+
+    def _serve_peer(self, conn: Connection) -> None:
+        try:
+            while True:
+                header, payload = conn.recv()
+                kind = header["kind"]
+                if kind == "layer":
+                    self._on_layer(conn, header, payload)
+                elif kind == "done":
+                    self._on_done(conn, header)
+                elif kind == "cancel":
+                    self._on_cancel(header["request_id"])
+                elif kind == "hello":
+                    self._on_hello(conn, header)
+        except OSError as e:
+            with self._lock:
+                lost = [r for r, i in self._incoming.items() if i.conn is conn]
+                for rid in lost:
+                    self._fail(rid, "recv", f"prefill worker went away mid-transfer: {e}")
+                if conn in self._accepted:
+                    self._accepted.remove(conn)
+            conn.close()
+
+    def _on_layer(self, conn: Connection, header: dict[str, Any], payload: bytearray) -> None:
+        with self._lock:
+            inc = self._incoming.get(header["request_id"])
+            if inc is not None:
+                inc.conn, inc.state = conn, TransferState.RECEIVING
+            # Under the lock: a cancel cannot free the blocks while they are written.
+            self._recv_layer_data(inc, header, payload)
+            if inc is not None:
+                inc.layers_received += 1
+
+    def _on_done(self, conn: Connection, header: dict[str, Any]) -> None:
+        rid = header["request_id"]
+        ack: dict[str, Any] = {"kind": "ack", "request_id": rid, "ok": True}
+        with self._lock:
+            inc = self._incoming.pop(rid, None)
+            if inc is None:
+                ack.update(ok=False, error="the decode worker no longer expects this request")
+            elif inc.layers_received != inc.ticket.num_layers:
+                error = f"received {inc.layers_received} of {inc.ticket.num_layers} KV layers"
+                ack.update(ok=False, error=error)
+                self._incoming[rid] = inc
+                self._fail(rid, "recv", error)
+            else:
+                self._finish_incoming(inc)
+                top = [tuple(t) for t in header["top_logprobs"]]
+                done = TransferDone(rid, header["first_token"], header["logprob"], top)
+                self._events.append(TransferEvent(rid, "recv", True, done=done))
+        conn.send(ack)
+
+    def _on_cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._incoming:
+                self._fail(request_id, "recv", "the prefill worker cancelled the transfer")
+
+    def _fail(self, request_id: str, side: str, error: str) -> None:
+        """Record a failure; caller holds the lock."""
+        table = self._outgoing if side == "send" else self._incoming
+        t = table.pop(request_id, None)
+        if t is None:
+            return
+        if isinstance(t, Incoming):
+            self._release_incoming(t)
+        logger.warning("KV transfer of %s failed: %s", request_id, error)
+        self._events.append(TransferEvent(request_id, side, False, error))
