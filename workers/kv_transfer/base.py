@@ -104,8 +104,15 @@ class Peer:
 class KVTransport(ABC):
     name = "base"
 
-    def __init__(self, kv_cache: KVCache, host: str = "127.0.0.1", timeout_s: float = 60.0):
+    def __init__(
+        self,
+        kv_cache: KVCache,
+        host: str = "127.0.0.1",
+        timeout_s: float = 60.0,
+        owner: str = "",
+    ):
         self.kv_cache = kv_cache
+        self.owner = owner  # this worker's id, written into the tickets it issues
         self.layout = KVLayout.of(kv_cache)
         self.timeout_s = timeout_s
         self._server = listen(host)
@@ -138,6 +145,7 @@ class KVTransport(ABC):
             num_tokens=num_tokens,
             num_layers=num_layers,
             layout=self.layout,
+            owner=self.owner,
         )
 
     def expect(self, ticket: TransferTicket) -> None:
@@ -160,7 +168,7 @@ class KVTransport(ABC):
         slots = token_slots(
             src_block_ids, self.kv_cache.block_size, ticket.start_token, ticket.num_tokens
         )
-        peer = self._peer(ticket.address)
+        peer = self._peer(ticket)
         outgoing = Outgoing(ticket, slots.to(self.device), peer, time.monotonic() + self.timeout_s)
         with self._lock:
             self._outgoing[ticket.request_id] = outgoing
@@ -249,22 +257,23 @@ class KVTransport(ABC):
     def _release_incoming(self, inc: Incoming) -> None:
         """The engine is about to free ``inc``'s blocks: no write may still be in flight."""
 
-    def _on_connect(self, peer: Peer) -> None:
-        """A new outgoing connection (NCCL creates its communicator here)."""
+    def _on_connect(self, peer: Peer, ticket: TransferTicket) -> None:
+        """A new outgoing connection, before any frame (NCCL creates its communicator here)."""
 
     def _on_hello(self, conn: Connection, header: dict[str, Any]) -> None:
         """A peer introduced itself on an incoming connection."""
 
     # ---- threads ------------------------------------------------------------
 
-    def _peer(self, address: str) -> Peer:
+    def _peer(self, ticket: TransferTicket) -> Peer:
+        address = ticket.address
         with self._lock:
             peer = self._peers.get(address)
             if peer is not None and peer.alive:
                 return peer
         conn = Connection.connect(address, timeout_s=self.timeout_s)
         peer = Peer(address, conn)
-        self._on_connect(peer)
+        self._on_connect(peer, ticket)
         with self._lock:
             self._peers[address] = peer
         threading.Thread(target=self._write_loop, args=(peer,), daemon=True).start()

@@ -55,6 +55,7 @@ class TransferTicket:
     num_tokens: int  # the prompt length
     num_layers: int  # layers 0 .. num_layers - 1 are sent
     layout: KVLayout
+    owner: str = ""  # the receiving worker's id, for out-of-band calls (NCCL rendezvous)
 
     def pack(self) -> bytes:
         return msgpack.packb(asdict(self))
