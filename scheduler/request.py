@@ -2,9 +2,16 @@
 
 Lifecycle::
 
-    WAITING --schedule--> RUNNING --finish--> FINISHED_{STOPPED,LENGTH,ABORTED}
+    WAITING --schedule--> RUNNING --finish--> FINISHED_{STOPPED,LENGTH,ABORTED,ERROR}
        ^                     |
        +----- PREEMPTED <----+   (KV freed; recomputed from all tokens when rescheduled)
+
+Disaggregated (the KV of the prompt moves from a prefill to a decode worker)::
+
+    prefill worker: WAITING -> RUNNING -> SENDING_KV (first token sampled, blocks held
+                    until the decode worker acks) -> FINISHED_TRANSFERRED
+    decode worker:  WAITING_FOR_KV (blocks reserved, ticket issued) -> RUNNING (KV and
+                    first token arrived) -> FINISHED_*
 
 ``num_computed_tokens`` counts tokens whose KV is in the cache. A step computes
 tokens ``num_computed_tokens .. num_tokens - 1`` (or a chunk of them); when a
@@ -25,13 +32,17 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_KV = "waiting_for_kv"
+    SENDING_KV = "sending_kv"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # a KV hand-off failed
+    FINISHED_TRANSFERRED = "transferred"  # prefill side: the decode worker has the KV
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error", "transferred")
 
 
 @dataclass
@@ -48,6 +59,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    kv_ticket: Any = None  # prefill side: the TransferTicket the prompt's KV goes to
+    error: str | None = None  # why a FINISHED_ERROR request failed
     # Filled by the output processor: detokenizer state, text, logprobs.
     output: Any = None
 

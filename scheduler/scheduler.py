@@ -17,6 +17,14 @@ model ran, ``update_from_output`` advances ``num_computed_tokens``, caches the
 blocks that became full, and appends the sampled tokens. A request samples when
 its scheduled tokens reach its end (``will_sample``); the model runner uses the
 same rule to pick the rows that become logits.
+
+Disaggregation adds two holding areas outside the step. A decode worker's
+remote requests wait in ``waiting_for_blocks`` until ``reserve_kv_blocks`` can
+give them blocks for the whole prompt (FIFO, counted against ``max_num_seqs``),
+then sit in ``reserved`` until ``kv_arrived`` makes them RUNNING with the
+prompt computed and the first token appended. A prefill worker moves a request
+out of RUNNING into ``SENDING_KV`` (``hold_for_transfer``) once its first token
+is sampled; its blocks stay until the request is finished.
 """
 
 from __future__ import annotations
@@ -67,18 +75,28 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting_for_blocks: deque[Request] = deque()  # remote, no blocks yet
+        self.reserved: dict[str, Request] = {}  # remote, blocks reserved, KV in flight
 
     # ---- request bookkeeping ------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        self._admit(request, RequestStatus.WAITING)
+        self.waiting.append(request)
+
+    def add_remote_request(self, request: Request) -> None:
+        """A request whose prompt KV a prefill worker will send (decode side)."""
+        self._admit(request, RequestStatus.WAITING_FOR_KV)
+        self.waiting_for_blocks.append(request)
+
+    def _admit(self, request: Request, status: RequestStatus) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already scheduled")
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
         self._check_fits(request)
-        request.status = RequestStatus.WAITING
+        request.status = status
         self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     def _check_fits(self, request: Request) -> None:
         """Reject a request that could never be scheduled (it would wait forever)."""
@@ -122,7 +140,10 @@ class Scheduler:
             return False
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        else:
+        elif req.status == RequestStatus.WAITING_FOR_KV:
+            if self.reserved.pop(request_id, None) is None:
+                self.waiting_for_blocks.remove(req)
+        elif req.status != RequestStatus.SENDING_KV:
             self.waiting.remove(req)
         self.block_manager.free(req)
         req.status = status
@@ -130,6 +151,49 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> bool:
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- disaggregation -----------------------------------------------------
+
+    def reserve_kv_blocks(self) -> list[Request]:
+        """Give waiting remote requests blocks for their prompts; return those that got them."""
+        reserved = []
+        while self.waiting_for_blocks and self._num_seqs < self.config.max_num_seqs:
+            req = self.waiting_for_blocks[0]
+            computed_blocks, num_hit = self.block_manager.get_computed_blocks(req)
+            if not self.block_manager.allocate_slots(
+                req, req.num_prompt_tokens - num_hit, computed_blocks
+            ):
+                break
+            self.waiting_for_blocks.popleft()
+            req.num_cached_tokens = num_hit
+            self.reserved[req.request_id] = req
+            reserved.append(req)
+        return reserved
+
+    def kv_arrived(self, request_id: str, first_token: int) -> Request | None:
+        """The prompt's KV and first token are in place: the request decodes from here."""
+        req = self.reserved.pop(request_id, None)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+        req.output_token_ids.append(first_token)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
+
+    def hold_for_transfer(self, request: Request) -> None:
+        """Prefill side: stop scheduling the request, keep its blocks until it finishes."""
+        self.running.remove(request)
+        request.status = RequestStatus.SENDING_KV
+
+    @property
+    def _num_seqs(self) -> int:
+        return len(self.running) + len(self.reserved)
+
+    def has_runnable_requests(self) -> bool:
+        """Whether ``schedule`` may find work (remote requests wait on their transfers)."""
+        return bool(self.waiting or self.running or self.waiting_for_blocks)
 
     # ---- the step -----------------------------------------------------------
 
@@ -168,7 +232,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seqs < self.config.max_num_seqs:
             req = self.waiting[0]
             computed_blocks, num_hit = [], 0
             if req.num_computed_tokens == 0:

@@ -92,6 +92,26 @@ class SchedulerConfig:
             raise ValueError(f"invalid max_model_len={self.max_model_len}: must be >= 1")
 
 
+ROLES = ("mixed", "prefill", "decode")
+KV_TRANSPORTS = ("auto", "cpu", "nccl")
+
+
+@dataclass
+class KVTransferConfig:
+    transport: str = "auto"  # auto (nccl on a GPU, else cpu) | cpu | nccl
+    host: str = "127.0.0.1"  # address this worker's transport listens on
+    timeout_s: float = 60.0  # a hand-off not finished by then fails and frees its blocks
+
+    def check(self) -> None:
+        if self.transport not in KV_TRANSPORTS:
+            raise ValueError(
+                f"invalid kv_transfer.transport={self.transport!r}: "
+                f"must be one of {', '.join(KV_TRANSPORTS)}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"invalid kv_transfer.timeout_s={self.timeout_s}: must be > 0")
+
+
 @dataclass
 class EngineConfig:
     model: str = "qwen3-tiny"  # a directory with a HF checkpoint, or a preset name
@@ -101,16 +121,27 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # mixed: prompts and decodes; prefill: prompts whose KV goes to a decode worker;
+    # decode: requests whose KV arrives from a prefill worker (and short local ones).
+    role: str = "mixed"
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        if self.role not in ROLES:
+            raise ValueError(f"invalid role={self.role!r}: must be one of {', '.join(ROLES)}")
         self.cache.check()
         self.scheduler.check()
+        self.kv_transfer.check()
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
         """Build from nested dicts (YAML), rejecting unknown keys by name."""
-        nested = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        nested = {
+            "cache": CacheConfig,
+            "scheduler": SchedulerConfig,
+            "kv_transfer": KVTransferConfig,
+        }
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key in nested:

@@ -68,7 +68,8 @@ def test_kv_arrives_byte_identical_across_block_sizes(pair):
     _hand_off(sender, receiver, "r1", src_blocks, dst_blocks, start=4, num_tokens=37)
     (recv_event,) = _wait(receiver)
     assert recv_event.ok and recv_event.side == "recv"
-    assert recv_event.done.first_token == 7 and recv_event.done.top_logprobs == [(7, -0.5), (3, -1.5)]
+    assert recv_event.done.first_token == 7
+    assert recv_event.done.top_logprobs == [(7, -0.5), (3, -1.5)]
     (send_event,) = _wait(sender)
     assert send_event.ok and send_event.side == "send"
     for layer in range(NUM_LAYERS):

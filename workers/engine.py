@@ -3,6 +3,17 @@
 ``LLMEngine`` owns one model on one device, its paged KV cache, the scheduler
 and the output processor. Callers add requests, call ``step()`` until nothing
 is left, and read ``RequestOutput``s; ``abort_request`` works at any point.
+
+Roles change what the loop admits, never the loop:
+
+- ``mixed``: prompts and decodes in shared batches (``add_request``).
+- ``prefill``: ``add_request(..., kv_ticket=...)``. The step that finishes the
+  prompt streams each layer's KV to the ticket's decode worker as the layer is
+  stored, then sends the first token; the request keeps its blocks until the
+  decode worker acks, and its last output has finish reason "transferred".
+- ``decode``: ``add_remote_request`` reserves blocks (an output carries the
+  packed ticket), the KV and first token arrive over the transport, and the
+  request decodes from there. Short prompts may still be added locally.
 """
 
 from __future__ import annotations
@@ -16,14 +27,17 @@ from splitserve.errors import InvalidRequestError
 from splitserve.scheduler.block_manager import BlockManager
 from splitserve.scheduler.request import Request, RequestStatus
 from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.scheduler.scheduler import Scheduler
+from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput, will_sample
 from splitserve.workers.attention.registry import make_attention_backend
 from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+from splitserve.workers.kv_transfer.base import KVTransport, TransferEvent
+from splitserve.workers.kv_transfer.registry import make_kv_transport
+from splitserve.workers.kv_transfer.ticket import TransferDone, TransferTicket
 from splitserve.workers.model_loader import load_hf_config, load_model
 from splitserve.workers.model_runner import ModelRunner
 from splitserve.workers.output_processor import OutputProcessor
 from splitserve.workers.outputs import RequestOutput
-from splitserve.workers.sampler import Sampler
+from splitserve.workers.sampler import Sampler, TokenLogprobs
 from splitserve.workers.tokenizer import load_tokenizer, tiny_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,8 +51,10 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, **transport_options):
+        """``transport_options`` go to the KV transport (``owner``, NCCL's ``rendezvous``)."""
         self.config = config
+        self.role = config.role
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype)
         self.hf_config, path = load_hf_config(config.model)
@@ -59,8 +75,16 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.last_step = StepStats()
         self.num_preemptions = 0
+        self.num_transfer_layers = self.hf_config.num_hidden_layers  # MTP layers stay local
+        self.kv_transport: KVTransport | None = None
+        if self.role != "mixed":
+            kt = config.kv_transfer
+            self.kv_transport = make_kv_transport(
+                kt.transport, self.kv_cache, kt.host, kt.timeout_s, **transport_options
+            )
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "%s engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            self.role,
             config.model,
             self.device,
             num_blocks,
@@ -75,22 +99,47 @@ class LLMEngine:
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams | None = None,
+        kv_ticket: TransferTicket | bytes | None = None,
     ) -> Request:
-        """Validate and queue one request; raise InvalidRequestError naming the problem."""
-        params = params if params is not None else SamplingParams()
-        if self.scheduler.get_request(request_id) is not None:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        request = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids)
-        try:
-            self.scheduler.add_request(request)
-        except ValueError as e:
-            raise InvalidRequestError(str(e)) from e
-        self.output_processor.start(request, text)
+        """Validate and queue one request; raise InvalidRequestError naming the problem.
+
+        With ``kv_ticket`` (a prefill worker) the prompt's KV goes to the ticket's
+        decode worker and the request ends once that worker has it.
+        """
+        request, text = self._new_request(request_id, prompt, params)
+        if kv_ticket is not None:
+            request.kv_ticket = self._check_ticket(kv_ticket, request)
+        elif self.role == "prefill":
+            raise InvalidRequestError(
+                "a prefill worker serves only requests with a KV ticket from a decode worker"
+            )
+        self._queue(request, text, self.scheduler.add_request)
         return request
+
+    def add_remote_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
+        """Decode side: reserve blocks for a prompt a prefill worker will compute.
+
+        A later ``step()`` output carries the packed ``kv_ticket`` once blocks are free.
+        """
+        if self.kv_transport is None or self.role == "prefill":
+            raise InvalidRequestError(
+                f"a {self.role} worker does not receive KV; send remote requests to a decode worker"
+            )
+        request, text = self._new_request(request_id, prompt, params)
+        self._queue(request, text, self.scheduler.add_remote_request)
+        return request
+
+    def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Prompt tokens this worker's prefix cache would serve (for routing)."""
+        probe = Request("", list(token_ids), SamplingParams())
+        return self.block_manager.get_computed_blocks(probe)[1]
 
     def abort_request(self, request_id: str) -> bool:
         """Abort at any point; the request's KV blocks return to the pool."""
+        if self.kv_transport is not None:
+            self.kv_transport.cancel(request_id)  # before its blocks can be reused
         aborted = self.scheduler.abort_request(request_id)
         self.sampler.release(request_id)
         return aborted
@@ -98,22 +147,79 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_runnable_requests(self) -> bool:
+        """Work for ``step`` right now; False while every request waits on a transfer."""
+        return self.scheduler.has_runnable_requests()
+
+    def close(self) -> None:
+        if self.kv_transport is not None:
+            self.kv_transport.close()
+
+    def _new_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None
+    ) -> tuple[Request, str | None]:
+        params = params if params is not None else SamplingParams()
+        if self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        return Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids), text
+
+    def _queue(self, request: Request, text: str | None, add) -> None:
+        try:
+            add(request)
+        except ValueError as e:
+            raise InvalidRequestError(str(e)) from e
+        self.output_processor.start(request, text)
+
+    def _check_ticket(self, ticket: TransferTicket | bytes, request: Request) -> TransferTicket:
+        if self.kv_transport is None:
+            raise InvalidRequestError(f"a {self.role} worker has no KV transport to send with")
+        if isinstance(ticket, bytes):
+            ticket = TransferTicket.unpack(ticket)
+        problems = []
+        try:
+            self.kv_transport.layout.check_matches(ticket.layout)
+        except ValueError as e:
+            problems.append(str(e))
+        if ticket.num_tokens != request.num_prompt_tokens:
+            problems.append(
+                f"the ticket covers {ticket.num_tokens} tokens, the prompt has "
+                f"{request.num_prompt_tokens}"
+            )
+        if ticket.num_layers != self.num_transfer_layers:
+            problems.append(
+                f"the ticket asks for {ticket.num_layers} layers, the model has "
+                f"{self.num_transfer_layers}"
+            )
+        if ticket.request_id != request.request_id:
+            problems.append(f"the ticket is for request {ticket.request_id!r}")
+        if problems:
+            raise InvalidRequestError("invalid KV ticket: " + "; ".join(problems))
+        return ticket
+
     # -- the loop ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        outputs = self._handle_transfers()
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
         if batch.is_empty:
-            return []
-        result = self.runner.execute(batch)
+            return outputs
+        sending, send_errors = self._start_sends(batch)
+        hook = self._layer_sender(sending) if sending else None
+        result = self.runner.execute(batch, hook)
         tokens = {rid: tok for rid, (tok, _) in result.sampled.items()}
         self.scheduler.update_from_output(batch, tokens)
-        outputs = []
         for request in batch.requests:
             if request.request_id not in result.sampled:
                 continue
             token, logprobs = result.sampled[request.request_id]
+            if request.kv_ticket is not None:
+                out = self._hand_off(request, token, logprobs, send_errors)
+                if out is not None:
+                    outputs.append(out)
+                continue
             status = self.output_processor.append(request, token, logprobs)
             if status is not None:
                 self._finish(request, status)
@@ -126,6 +232,93 @@ class LLMEngine:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)
         self.sampler.release(request.request_id)
+
+    # -- KV hand-off -----------------------------------------------------------
+
+    def _start_sends(self, batch: SchedulerOutput) -> tuple[list[str], dict[str, str]]:
+        """Open the transfers of prompts that finish in this step: (opened, failures)."""
+        opened, errors = [], {}
+        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
+            if request.kv_ticket is None or not will_sample(request, n):
+                continue
+            try:
+                self.kv_transport.start_send(request.kv_ticket, request.block_ids)
+                opened.append(request.request_id)
+            except (OSError, ValueError) as e:
+                errors[request.request_id] = f"could not reach the decode worker: {e}"
+        return opened, errors
+
+    def _layer_sender(self, request_ids: list[str]):
+        transport = self.kv_transport
+
+        def on_layer_stored(layer_id: int) -> None:
+            for rid in request_ids:
+                transport.send_layer(rid, layer_id)
+
+        return on_layer_stored
+
+    def _hand_off(
+        self,
+        request: Request,
+        token: int,
+        logprobs: TokenLogprobs | None,
+        send_errors: dict[str, str],
+    ) -> RequestOutput | None:
+        """Prefill side, first token sampled: finish the transfer, hold the blocks."""
+        rid = request.request_id
+        if rid in send_errors:
+            return self._fail(request, send_errors[rid])
+        lp, top = (logprobs.logprob, logprobs.top) if logprobs is not None else (None, [])
+        self.kv_transport.finish_send(rid, TransferDone(rid, token, lp, top))
+        self.scheduler.hold_for_transfer(request)
+        return None
+
+    def _handle_transfers(self) -> list[RequestOutput]:
+        """Finished hand-offs, then tickets for remote requests that got blocks."""
+        if self.kv_transport is None:
+            return []
+        outputs = [self._on_transfer(e) for e in self.kv_transport.poll()]
+        outputs = [o for o in outputs if o is not None]
+        for request in self.scheduler.reserve_kv_blocks():
+            ticket = self.kv_transport.make_ticket(
+                request.request_id,
+                request.block_ids,
+                start_token=request.num_cached_tokens,
+                num_tokens=request.num_prompt_tokens,
+                num_layers=self.num_transfer_layers,
+            )
+            self.kv_transport.expect(ticket)
+            output = self.output_processor.make_output(request)
+            output.kv_ticket = ticket.pack()
+            outputs.append(output)
+        return outputs
+
+    def _on_transfer(self, event: TransferEvent) -> RequestOutput | None:
+        request = self.scheduler.get_request(event.request_id)
+        if request is None:
+            return None  # aborted meanwhile
+        if not event.ok:
+            return self._fail(request, event.error)
+        if event.side == "send":
+            self._finish(request, RequestStatus.FINISHED_TRANSFERRED)
+            return self.output_processor.make_output(request)
+        done = event.done
+        self.scheduler.kv_arrived(request.request_id, done.first_token)
+        logprobs = None
+        if request.sampling_params.logprobs is not None and done.logprob is not None:
+            logprobs = TokenLogprobs(done.first_token, done.logprob, list(done.top_logprobs))
+        status = self.output_processor.append(request, done.first_token, logprobs)
+        if status is not None:
+            self._finish(request, status)
+        return self.output_processor.make_output(request)
+
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        if self.kv_transport is not None:
+            self.kv_transport.cancel(request.request_id)
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        output = self.output_processor.make_output(request)
+        output.error = error
+        return output
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

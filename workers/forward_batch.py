@@ -9,6 +9,7 @@ and the new rows, whose KV is written at ``slot_mapping`` before attention.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,9 @@ class ForwardBatch:
     kv_cache: KVCache
     attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None)  # set by attn_backend.plan()
+    # Called with the layer id right after a layer's attention stored its KV (a prefill
+    # worker streams each layer to the decode worker while later layers compute).
+    on_layer_stored: Callable[[int], None] | None = None
 
     @property
     def batch_size(self) -> int:

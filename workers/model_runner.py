@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,9 +39,12 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput) -> StepResult:
+    def execute(
+        self, batch: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None
+    ) -> StepResult:
         steps = [_step_request(r, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)]
         fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, self.device)
+        fb.on_layer_stored = on_layer_stored
         hidden = self.model(fb.input_ids, fb.positions, fb)
         logits = self.model.compute_logits(hidden[fb.logits_indices])
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]

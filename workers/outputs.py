@@ -26,4 +26,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_text: str = ""  # text added by this step (for streaming)
     new_token_ids: list[int] = field(default_factory=list)
-    error: str | None = None  # set when the request was rejected
+    error: str | None = None  # set when the request was rejected or its KV hand-off failed
+    kv_ticket: bytes | None = None  # decode side: where a prefill worker sends the KV

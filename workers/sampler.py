@@ -96,7 +96,7 @@ class Sampler:
             if r.sampling_params.seed is None:
                 unseeded.append(i)
             else:
-                q[i].exponential_(generator=self._request_generator(r, device))
+                q[i].exponential_(generator=self._request_generator(r, device, q.shape[1]))
         if unseeded:
             if self._generator is None or self._generator.device != device:
                 self._generator = torch.Generator(device).manual_seed(self.seed)
@@ -105,10 +105,16 @@ class Sampler:
         # q == 0 would turn a banned token's 0 / q into NaN, which argmax prefers.
         return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
-    def _request_generator(self, request: Request, device: torch.device) -> torch.Generator:
+    def _request_generator(
+        self, request: Request, device: torch.device, vocab_size: int
+    ) -> torch.Generator:
         gen = self._request_generators.get(request.request_id)
         if gen is None:
             gen = torch.Generator(device).manual_seed(request.sampling_params.seed)
+            # A request that arrives with tokens already sampled elsewhere (a decode
+            # worker after a prefill worker) skips their draws, so its stream continues.
+            for _ in request.output_token_ids:
+                torch.empty(vocab_size, device=device).exponential_(generator=gen)
             self._request_generators[request.request_id] = gen
         return gen
 

@@ -28,4 +28,6 @@ class Attention(nn.Module):
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
         out = forward_batch.attn_backend.forward(q, k, v, s, forward_batch)
+        if forward_batch.on_layer_stored is not None:
+            forward_batch.on_layer_stored(s.layer_id)
         return out.reshape(-1, s.num_heads * s.head_dim)
