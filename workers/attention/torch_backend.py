@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.kernels.kv_store import store_kv
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
 
@@ -67,20 +68,6 @@ class TorchAttentionBackend(AttentionBackend):
                 q[None, start:end], flat_k[index][None], flat_v[index][None], mask[None], layer
             )[0]
         return out
-
-
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Reshape-and-cache reference: write each token's K/V at its slot; slot -1 is skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k.shape[1:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v.shape[1:])[slots] = v[keep].to(v_cache.dtype)
 
 
 def _attend(
