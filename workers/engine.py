@@ -138,8 +138,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort at any point; the request's KV blocks return to the pool."""
-        if self.kv_transport is not None:
-            self.kv_transport.cancel(request_id)  # before its blocks can be reused
+        if self.kv_transport is not None:  # before its blocks can be reused
+            request = self.scheduler.get_request(request_id)
+            self.kv_transport.cancel(request_id, request.kv_ticket if request else None)
         aborted = self.scheduler.abort_request(request_id)
         self.sampler.release(request_id)
         return aborted

@@ -26,6 +26,7 @@ move the layer data: ``CpuKVTransport`` in the frames themselves,
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import queue
@@ -195,15 +196,23 @@ class KVTransport(ABC):
 
     # ---- both ---------------------------------------------------------------
 
-    def cancel(self, request_id: str) -> None:
-        """Drop the transfer on this side and tell the other side; no event follows."""
+    def cancel(self, request_id: str, ticket: TransferTicket | None = None) -> None:
+        """Drop the transfer on this side and tell the other side; no event follows.
+
+        A sender that holds a ``ticket`` but has not started sending passes it, so
+        the receiver learns of the cancel too.
+        """
         with self._lock:
             out = self._outgoing.pop(request_id, None)
             inc = self._incoming.pop(request_id, None)
             if inc is not None:
                 self._release_incoming(inc)
-        if out is not None and out.peer.alive:
-            out.peer.post({"kind": "cancel", "request_id": request_id})
+        peer = out.peer if out is not None else None
+        if peer is None and ticket is not None:
+            with contextlib.suppress(OSError):
+                peer = self._peer(ticket)
+        if peer is not None and peer.alive:
+            peer.post({"kind": "cancel", "request_id": request_id})
 
     def poll(self) -> list[TransferEvent]:
         """Transfers that ended since the last poll (timeouts are declared here)."""

@@ -1,0 +1,237 @@
+"""Prefill and decode engines hand a prompt's KV over the CPU transport.
+
+The decode worker's KV must be byte-identical to what the prefill worker
+computed (with different block sizes on the two sides), the tokens must equal
+a single mixed engine's, and every block must come back on both sides.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
+from splitserve.errors import InvalidRequestError
+from splitserve.scheduler.request import RequestStatus
+from splitserve.scheduler.sampling_params import SamplingParams
+from splitserve.workers.engine import LLMEngine
+from splitserve.workers.kv_transfer.ticket import TransferTicket, token_slots
+from tests import checkpoints
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _config(path, role: str, block_size: int, **scheduler) -> EngineConfig:
+    return EngineConfig(
+        model=str(path),
+        device="cpu",
+        role=role,
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=96),
+        scheduler=SchedulerConfig(max_model_len=128, **scheduler),
+        kv_transfer=KVTransferConfig(transport="cpu", timeout_s=10.0),
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return checkpoints.write_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture
+def pair(checkpoint):
+    prefill = LLMEngine(_config(checkpoint, "prefill", block_size=16, max_num_batched_tokens=24))
+    decode = LLMEngine(_config(checkpoint, "decode", block_size=4))
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 512, (length + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+class Handoff:
+    """Drives one prefill and one decode engine the way two workers would."""
+
+    def __init__(self, prefill: LLMEngine, decode: LLMEngine):
+        self.prefill, self.decode = prefill, decode
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, object] = {}
+        self.sent_kv: dict[str, list[torch.Tensor]] = {}  # prefill KV at hand-off time
+        self.tickets: dict[str, TransferTicket] = {}
+
+    def submit(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
+        self.decode.add_remote_request(rid, prompt, params)
+        self.tokens[rid] = []
+        self._prompts = getattr(self, "_prompts", {})
+        self._prompts[rid] = (prompt, params)
+
+    def run(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.finished) < len(self.tokens) and time.monotonic() < deadline:
+            self.step()
+        assert len(self.finished) == len(self.tokens), "requests did not finish in time"
+
+    def step(self) -> None:
+        for out in self.decode.step():
+            if out.kv_ticket is not None:
+                ticket = TransferTicket.unpack(out.kv_ticket)
+                self.tickets[out.request_id] = ticket
+                prompt, params = self._prompts[out.request_id]
+                self.prefill.add_request(out.request_id, prompt, params, kv_ticket=out.kv_ticket)
+            self.tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                self.finished[out.request_id] = out
+        for out in self.prefill.step():
+            assert out.finished and out.outputs[0].finish_reason == "transferred", out.error
+        for rid, req in self.prefill.scheduler.requests.items():
+            if req.status == RequestStatus.SENDING_KV and rid not in self.sent_kv:
+                n = req.num_prompt_tokens  # its blocks may be reused once it is acked
+                self.sent_kv[rid] = _slots_content(self.prefill, req.block_ids, 0, n)
+        time.sleep(0.001)
+
+
+def _slots_content(engine: LLMEngine, block_ids, start: int, end: int) -> list[torch.Tensor]:
+    slots = token_slots(block_ids, engine.kv_cache.block_size, start, end)
+    spec = engine.kv_cache.spec
+    return [
+        t.view(-1, spec.num_kv_heads, spec.head_dim)[slots]
+        for layer in range(engine.num_transfer_layers)
+        for t in engine.kv_cache.layer(layer)
+    ]
+
+
+def test_disaggregated_tokens_and_kv_match_a_mixed_engine(pair, checkpoint):
+    prefill, decode = pair
+    free = (prefill.block_manager.num_free_blocks, decode.block_manager.num_free_blocks)
+    prompts = _prompts(4, length=21, seed=3)  # 21..30 tokens: two prefill chunks each
+    run = Handoff(prefill, decode)
+    for i, p in enumerate(prompts):
+        run.submit(f"r{i}", p)
+    run.run()
+
+    mixed = LLMEngine(_config(checkpoint, "mixed", block_size=8))
+    for i, p in enumerate(prompts):
+        mixed.add_request(f"r{i}", p, GREEDY)
+    expected: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while mixed.has_unfinished_requests():
+        for out in mixed.step():
+            expected[out.request_id] += out.new_token_ids
+    assert run.tokens == expected
+    assert all(out.outputs[0].finish_reason == "length" for out in run.finished.values())
+
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        ticket = run.tickets[rid]
+        assert ticket.block_size == 4 and ticket.start_token == 0 and ticket.num_tokens == len(p)
+        sent = run.sent_kv[rid]
+        got = _slots_content(decode, ticket.block_ids, 0, len(p))
+        for a, b in zip(sent, got):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))  # byte-identical
+    # Every block is back (cached prefixes count as free) and no transfer is left.
+    assert prefill.block_manager.num_free_blocks == free[0]
+    assert decode.block_manager.num_free_blocks == free[1]
+    assert prefill.kv_transport.num_in_flight == 0 and decode.kv_transport.num_in_flight == 0
+
+
+def test_decode_prefix_hit_moves_only_the_suffix(pair):
+    prefill, decode = pair
+    (prompt,) = _prompts(1, length=26, seed=5)
+    first = Handoff(prefill, decode)
+    first.submit("a", prompt)
+    first.run()
+    second = Handoff(prefill, decode)
+    second.submit("b", prompt)
+    second.run()
+    ticket = second.tickets["b"]
+    assert ticket.start_token == 24  # six full 4-token blocks were cached on the decode side
+    assert second.tokens["b"] == first.tokens["a"]
+    assert decode.num_cached_prefix_tokens(prompt) == 24
+
+
+def test_seeded_sampling_continues_across_the_hand_off(pair, checkpoint):
+    prefill, decode = pair
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=1234, logprobs=2)
+    (prompt,) = _prompts(1, length=11, seed=9)
+    run = Handoff(prefill, decode)
+    run.submit("s", prompt, params)
+    run.run()
+    mixed = LLMEngine(_config(checkpoint, "mixed", block_size=16))
+    mixed.add_request("s", prompt, params)
+    expected, logprobs = [], None
+    while mixed.has_unfinished_requests():
+        for out in mixed.step():
+            expected += out.new_token_ids
+            logprobs = out.outputs[0].logprobs
+    assert run.tokens["s"] == expected
+    got = run.finished["s"].outputs[0].logprobs
+    assert [lp.token_id for lp in got] == [lp.token_id for lp in logprobs]
+    assert got[0].logprob == pytest.approx(logprobs[0].logprob, abs=1e-5)
+    assert [t for t, _ in got[0].top] == [t for t, _ in logprobs[0].top]
+
+
+def test_abort_on_the_decode_side_frees_both(pair):
+    prefill, decode = pair
+    free = (prefill.block_manager.num_free_blocks, decode.block_manager.num_free_blocks)
+    (prompt,) = _prompts(1, length=40, seed=11)
+    run = Handoff(prefill, decode)
+    run.submit("x", prompt)
+    while "x" not in run.tickets:
+        run.step()
+    decode.abort_request("x")  # the client went away while the prefill is in flight
+    deadline = time.monotonic() + 10
+    while prefill.has_unfinished_requests() and time.monotonic() < deadline:
+        outs = prefill.step()
+        for out in outs:
+            assert out.finished and "no longer expects" in (out.error or "")
+        time.sleep(0.001)
+    assert not prefill.has_unfinished_requests() and not decode.has_unfinished_requests()
+    assert prefill.block_manager.num_free_blocks == free[0]
+    assert decode.block_manager.num_free_blocks == free[1]
+
+
+def test_abort_on_the_prefill_side_fails_the_decode_request(pair):
+    prefill, decode = pair
+    free = decode.block_manager.num_free_blocks
+    (prompt,) = _prompts(1, length=40, seed=12)
+    decode.add_remote_request("y", prompt, GREEDY)
+    (out,) = decode.step()
+    prefill.add_request("y", prompt, GREEDY, kv_ticket=out.kv_ticket)
+    prefill.step()  # the first of two prompt chunks: nothing is sent before the last
+    prefill.abort_request("y")
+    deadline, outs = time.monotonic() + 10, []
+    while decode.has_unfinished_requests() and time.monotonic() < deadline:
+        outs += decode.step()
+    assert outs and outs[-1].finished and outs[-1].outputs[0].finish_reason == "error"
+    assert "cancelled" in outs[-1].error
+    assert decode.block_manager.num_free_blocks == free
+
+
+def test_bad_tickets_and_roles_are_clear_errors(pair):
+    prefill, decode = pair
+    decode.add_remote_request("t", [1, 2, 3, 4, 5], GREEDY)
+    (out,) = [o for o in decode.step() if o.kv_ticket]
+    with pytest.raises(InvalidRequestError, match="covers 5 tokens, the prompt has 3"):
+        prefill.add_request("t", [1, 2, 3], GREEDY, kv_ticket=out.kv_ticket)
+    with pytest.raises(InvalidRequestError, match="only requests with a KV ticket"):
+        prefill.add_request("u", [1, 2, 3], GREEDY)
+    with pytest.raises(InvalidRequestError, match="does not receive KV"):
+        prefill.add_remote_request("v", [1, 2, 3], GREEDY)
+    decode.abort_request("t")
+    assert decode.kv_transport.num_in_flight == 0
+
+
+def test_reservations_wait_for_free_blocks(checkpoint):
+    decode = LLMEngine(_config(checkpoint, "decode", block_size=4, max_num_seqs=2))
+    try:
+        for i in range(3):
+            decode.add_remote_request(f"w{i}", list(range(1, 9)), GREEDY)
+        tickets = [o.request_id for o in decode.step() if o.kv_ticket]
+        assert tickets == ["w0", "w1"]  # max_num_seqs=2 counts reserved requests
+        decode.abort_request("w0")
+        assert [o.request_id for o in decode.step() if o.kv_ticket] == ["w2"]
+    finally:
+        decode.close()
