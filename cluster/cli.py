@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from splitserve.cluster import generate_command
+from splitserve.cluster import generate_command, serve_command
 from splitserve.config import env
 
 
@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     generate_command.add_parser(commands)
+    serve_command.add_parsers(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=env("SPLITSERVE_LOG_LEVEL").upper(),

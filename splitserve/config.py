@@ -145,13 +145,16 @@ class EngineConfig:
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
             if key in nested:
-                kwargs[key] = nested[key](**_known(nested[key], value, prefix=f"{key}."))
+                kwargs[key] = nested[key](**known_keys(nested[key], value, prefix=f"{key}."))
             else:
                 kwargs[key] = value
-        return cls(**_known(cls, kwargs))
+        return cls(**known_keys(cls, kwargs))
 
 
-def _known(cls: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def known_keys(cls: type, values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``values`` unchanged, or ValueError naming the first key ``cls`` has no field for."""
+    if not isinstance(values, dict):
+        raise ValueError(f"config section '{prefix.rstrip('.') or cls.__name__}' must be a mapping")
     names = {f.name for f in dataclasses.fields(cls)}
     for key in values:
         if key not in names:

@@ -76,6 +76,8 @@ class Outgoing:
     deadline: float
     state: TransferState = TransferState.SENDING
     layers_sent: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -125,6 +127,10 @@ class KVTransport(ABC):
         self._accepted: list[Connection] = []  # incoming
         self._events: list[TransferEvent] = []
         self._closed = False
+        # Finished sends, for metrics: count, bytes, seconds from start to ack.
+        self.num_sent = 0
+        self.bytes_sent = 0
+        self.seconds_sending = 0.0
         threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True).start()
 
     # ---- receiver half ------------------------------------------------------
@@ -272,6 +278,9 @@ class KVTransport(ABC):
     def _on_hello(self, conn: Connection, header: dict[str, Any]) -> None:
         """A peer introduced itself on an incoming connection."""
 
+    def _on_disconnect(self, conn: Connection) -> None:
+        """An incoming connection ended, before its transfers fail (NCCL aborts here)."""
+
     # ---- threads ------------------------------------------------------------
 
     def _peer(self, ticket: TransferTicket) -> Peer:
@@ -311,8 +320,20 @@ class KVTransport(ABC):
     def _on_ack(self, header: dict[str, Any]) -> None:
         with self._lock:
             rid = header["request_id"]
-            if self._outgoing.pop(rid, None) is not None:
-                self._events.append(TransferEvent(rid, "send", header["ok"], header.get("error")))
+            out = self._outgoing.pop(rid, None)
+            if out is None:
+                return
+            if header["ok"]:
+                self.num_sent += 1
+                self.bytes_sent += self.transfer_bytes(out.ticket)
+                self.seconds_sending += time.monotonic() - out.started
+            self._events.append(TransferEvent(rid, "send", header["ok"], header.get("error")))
+
+    def transfer_bytes(self, ticket: TransferTicket) -> int:
+        spec = self.kv_cache.spec
+        elem = torch.finfo(spec.dtype).bits // 8
+        per_token = 2 * ticket.num_layers * spec.num_kv_heads * spec.head_dim * elem
+        return per_token * ticket.num_transfer_tokens
 
     def _peer_lost(self, peer: Peer, error: str) -> None:
         with self._lock:
@@ -351,6 +372,7 @@ class KVTransport(ABC):
                 elif kind == "hello":
                     self._on_hello(conn, header)
         except OSError as e:
+            self._on_disconnect(conn)
             with self._lock:
                 lost = [r for r, i in self._incoming.items() if i.conn is conn]
                 for rid in lost:

@@ -1,0 +1,74 @@
+"""Build the Ray Serve application: the ingress and one deployment per worker pool."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+from splitserve.cluster.autoscaling import PoolAutoscalingPolicy
+from splitserve.cluster.ingress import OpenAIIngress
+from splitserve.cluster.request_router import PoolRequestRouter
+from splitserve.cluster.serve_config import POOLS, PoolConfig, ServeConfig
+from splitserve.cluster.worker_deployment import EngineWorker
+
+MAX_QUEUED_REQUESTS = 4096  # per pool handle; beyond it a request gets 503
+
+
+def build_app(config: ServeConfig) -> serve.Application:
+    engine = _engine_dict(config)
+    pools = {}
+    for name in POOLS:
+        pool = config.pools[name]
+        if pool.active:
+            deployment = pool_deployment(name, pool, config)
+            pools[name] = deployment.bind(name, engine, config.stats_period_s, config.app_name)
+    return OpenAIIngress.bind(
+        config.to_dict(), pools.get("prefill"), pools.get("decode"), pools.get("mixed")
+    )
+
+
+def pool_deployment(name: str, pool: PoolConfig, config: ServeConfig) -> serve.Deployment:
+    on_gpu = (config.engine.device or "").startswith("cuda")
+    gpus = pool.num_gpus if pool.num_gpus is not None else (1 if on_gpu else 0)
+    options = dict(
+        name=name,
+        ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": gpus},
+        max_ongoing_requests=pool.max_ongoing_requests,
+        max_queued_requests=MAX_QUEUED_REQUESTS,
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class=PoolRequestRouter,
+            request_router_kwargs={"pool": name, "router": asdict(config.router)},
+            request_routing_stats_period_s=config.stats_period_s,
+            request_routing_stats_timeout_s=5.0,
+        ),
+    )
+    if pool.autoscaling:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=pool.min_replicas,
+            max_replicas=pool.max_replicas,
+            policy=AutoscalingPolicy(
+                policy_function=PoolAutoscalingPolicy,
+                policy_kwargs={
+                    "pool": name,
+                    "target_queued_prompt_tokens": pool.target_queued_prompt_tokens,
+                    "target_running_requests": pool.target_running_requests,
+                    "target_kv_usage": pool.target_kv_usage,
+                },
+            ),
+            upscale_delay_s=5.0,
+            downscale_delay_s=60.0,
+        )
+    else:
+        options["num_replicas"] = pool.replicas
+    return serve.deployment(EngineWorker).options(**options)
+
+
+def _engine_dict(config: ServeConfig) -> dict:
+    engine = asdict(config.engine)
+    engine.pop("role")  # each pool sets its own
+    return engine

@@ -1,0 +1,122 @@
+"""Prometheus metrics of the ingress (``/metrics``).
+
+Request metrics are measured at the ingress, as a client sees them: time to
+first token, inter-token latency and end-to-end latency per route, requests
+per route and outcome. Pool metrics come from the workers' latest reports
+on the stats board: queue lengths and KV blocks per pool and replica, and
+KV transfer counts, bytes and seconds.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+# metric name -> (stats key, help) for per-pool sums
+_POOL_GAUGES = {
+    "splitserve_requests_running": ("num_running", "Requests decoding, per pool"),
+    "splitserve_requests_waiting": ("num_waiting", "Requests waiting to be scheduled, per pool"),
+    "splitserve_requests_waiting_for_kv": (
+        "num_waiting_for_kv",
+        "Decode requests waiting for their KV, per pool",
+    ),
+    "splitserve_requests_sending_kv": (
+        "num_sending_kv",
+        "Prefill requests waiting for the decode worker's ack, per pool",
+    ),
+    "splitserve_queued_prompt_tokens": ("queued_prompt_tokens", "Prompt tokens not computed yet"),
+}
+_REPLICA_GAUGES = {
+    "splitserve_kv_free_blocks": ("num_free_blocks", "Free KV blocks (cached prefixes included)"),
+    "splitserve_kv_blocks": ("num_blocks", "Usable KV blocks"),
+    "splitserve_kv_usage": ("kv_usage", "Share of KV blocks in use"),
+}
+_POOL_COUNTERS = {
+    "splitserve_kv_transfers": ("kv_transfers", "KV hand-offs acked by a decode worker"),
+    "splitserve_kv_transfer_bytes": ("kv_transfer_bytes", "Bytes of KV handed off"),
+    "splitserve_kv_transfer_seconds": (
+        "kv_transfer_seconds",
+        "Seconds from the first layer sent to the ack, summed",
+    ),
+}
+
+
+class PoolCollector:
+    """Renders the last stats-board snapshot (worker -> (pool, stats))."""
+
+    def __init__(self):
+        self.snapshot: dict[str, tuple[str, dict]] = {}
+
+    def collect(self):
+        pools = sorted({pool for pool, _ in self.snapshot.values()})
+        replicas = GaugeMetricFamily(
+            "splitserve_pool_replicas", "Live worker replicas per pool", labels=["pool"]
+        )
+        for pool in pools:
+            replicas.add_metric([pool], sum(p == pool for p, _ in self.snapshot.values()))
+        yield replicas
+        for name, (key, help_text) in _POOL_GAUGES.items():
+            family = GaugeMetricFamily(name, help_text, labels=["pool"])
+            for pool in pools:
+                family.add_metric([pool], self._sum(pool, key))
+            yield family
+        for name, (key, help_text) in _REPLICA_GAUGES.items():
+            family = GaugeMetricFamily(name, help_text, labels=["pool", "replica"])
+            for worker, (pool, stats) in sorted(self.snapshot.items()):
+                family.add_metric([pool, worker], stats[key])
+            yield family
+        for name, (key, help_text) in _POOL_COUNTERS.items():
+            family = CounterMetricFamily(name, help_text, labels=["pool"])
+            for pool in pools:
+                family.add_metric([pool], self._sum(pool, key))
+            yield family
+
+    def _sum(self, pool: str, key: str) -> float:
+        return sum(stats[key] for p, stats in self.snapshot.values() if p == pool)
+
+
+class ServingMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.pools = PoolCollector()
+        self.registry.register(self.pools)
+        self.ttft = Histogram(
+            "splitserve_time_to_first_token_seconds",
+            "Time from request arrival to its first token, per route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "splitserve_inter_token_latency_seconds",
+            "Time between consecutive output tokens, per route",
+            ["route"],
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "splitserve_request_latency_seconds",
+            "Time from request arrival to its last token, per route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "splitserve_requests",
+            "Requests served, per route and outcome (ok, error, cancelled)",
+            ["route", "outcome"],
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "splitserve_requests_rejected",
+            "Requests rejected before routing, per HTTP status",
+            ["status"],
+            registry=self.registry,
+        )
+
+    def render(self, snapshot: dict[str, tuple[str, dict]]) -> bytes:
+        self.pools.snapshot = snapshot
+        return generate_latest(self.registry)

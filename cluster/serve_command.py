@@ -1,0 +1,127 @@
+"""``splitserve serve`` and ``splitserve scale``: run the cluster app, resize its pools.
+
+``serve`` starts Ray (or joins ``--address``), deploys the ingress and the
+pools, prints the URL, and serves until Ctrl-C or SIGTERM, then deletes the
+app and shuts down what it started. With no arguments it serves
+``configs/serve/default.yaml``: the tiny preset on CPU, one prefill and one
+decode worker, on 127.0.0.1:8000.
+
+``scale`` joins the running cluster, reads the app's config from the ingress,
+changes the pool sizes, and redeploys; Ray Serve resizes the pools in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from importlib import resources
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("splitserve.configs") / "serve" / "default.yaml"))
+
+
+def add_parsers(commands) -> None:
+    p = commands.add_parser("serve", help="serve the OpenAI API from prefill and decode pools")
+    p.add_argument("--config", type=Path, default=None, help="YAML deployment config")
+    p.add_argument("--model", help="checkpoint directory or preset name")
+    for pool in ("prefill", "decode", "mixed"):
+        p.add_argument(f"--{pool}", type=int, metavar="N", help=f"replicas of the {pool} pool")
+    p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="where the workers run")
+    p.add_argument("--address", help="join this Ray cluster instead of starting one")
+    p.set_defaults(run=serve_main)
+
+    s = commands.add_parser("scale", help="change pool sizes of a running splitserve app")
+    for pool in ("prefill", "decode", "mixed"):
+        s.add_argument(f"--{pool}", type=int, metavar="N", help=f"replicas of the {pool} pool")
+    s.add_argument("--address", default="auto", help="the Ray cluster (default: auto)")
+    s.add_argument("--app-name", default="splitserve")
+    s.set_defaults(run=scale_main)
+
+
+def load_config(args: argparse.Namespace):
+    from splitserve.cluster.serve_config import ServeConfig
+
+    values = ServeConfig.from_yaml(args.config or default_config_path()).to_dict()
+    if args.model:
+        values["engine"]["model"] = args.model
+    if args.device:
+        values["engine"]["device"] = args.device
+        if args.device == "cpu":
+            values["engine"]["kv_transfer"]["transport"] = "cpu"
+    for key in ("host", "port"):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    _resize(values, args)
+    return ServeConfig.from_dict(values)
+
+
+def _resize(values: dict, args: argparse.Namespace) -> None:
+    """Fixed sizes from the command line (they replace autoscaling for that pool)."""
+    for pool in ("prefill", "decode", "mixed"):
+        n = getattr(args, pool)
+        if n is not None:
+            values["pools"].setdefault(pool, {})
+            values["pools"][pool].update(replicas=n, min_replicas=None, max_replicas=None)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from splitserve.cluster.app import build_app
+
+    try:
+        config = load_config(args)
+    except (OSError, ValueError) as e:
+        print(f"splitserve serve: {e}")
+        return 2
+    ray.init(address=args.address, namespace=config.app_name, log_to_driver=False)
+    started_ray = args.address is None
+    serve.start(http_options={"host": config.host, "port": config.port})
+    try:
+        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        url = f"http://{config.host}:{config.port}/v1"
+        print(f"splitserve: serving {config.model_name} at {url}", flush=True)
+        _wait_for_signal()
+    finally:
+        print("splitserve: shutting down", flush=True)
+        serve.delete(config.app_name)
+        if started_ray:
+            serve.shutdown()
+            ray.shutdown()
+    return 0
+
+
+def scale_main(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from splitserve.cluster.app import build_app
+    from splitserve.cluster.serve_config import ServeConfig
+
+    ray.init(address=args.address, namespace=args.app_name, log_to_driver=False)
+    values = serve.get_app_handle(args.app_name).get_config.remote().result()
+    _resize(values, args)
+    config = ServeConfig.from_dict(values)
+    serve.run(build_app(config), name=config.app_name, route_prefix="/")
+    sizes = ", ".join(
+        f"{name}={p.replicas if not p.autoscaling else f'{p.min_replicas}..{p.max_replicas}'}"
+        for name, p in config.pools.items()
+    )
+    print(f"splitserve: pools are now {sizes}", flush=True)
+    return 0
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()

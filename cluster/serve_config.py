@@ -1,0 +1,128 @@
+"""The deployment config of ``splitserve serve``: engine, pools, router, HTTP.
+
+YAML files in ``configs/serve/`` hold it; every key is checked and a misspelled
+one is an error naming it (``pools.decode.max_replica``). A pool with
+``min_replicas`` and ``max_replicas`` autoscales (Ray Serve autoscaling with
+the pool's own policy); otherwise it runs ``replicas`` replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from splitserve.config import EngineConfig, known_keys
+from splitserve.scheduler.router import RouterConfig
+
+POOLS = ("prefill", "decode", "mixed")
+
+
+@dataclass
+class PoolConfig:
+    replicas: int = 1  # fixed size when not autoscaling
+    min_replicas: int | None = None  # autoscale between these two when both are set
+    max_replicas: int | None = None
+    num_cpus: float = 0.0  # Ray resources per replica
+    num_gpus: float | None = None  # None: 1 when the engine runs on CUDA, else 0
+    max_ongoing_requests: int = 512
+    # Autoscaling targets per replica: the prefill pool scales on queued prompt
+    # tokens, the decode and mixed pools on running requests and KV usage.
+    target_queued_prompt_tokens: int = 8192
+    target_running_requests: int = 48
+    target_kv_usage: float = 0.8
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+    def check(self, name: str) -> None:
+        def bad(key: str, accepted: str) -> ValueError:
+            return ValueError(
+                f"invalid pools.{name}.{key}={getattr(self, key)!r}: must be {accepted}"
+            )
+
+        if self.replicas < 0:
+            raise bad("replicas", ">= 0")
+        if self.autoscaling:
+            if self.min_replicas is None or self.max_replicas is None:
+                raise ValueError(f"pools.{name}: set both min_replicas and max_replicas")
+            if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+                raise bad("max_replicas", f">= max(1, min_replicas={self.min_replicas})")
+        if self.target_queued_prompt_tokens < 1:
+            raise bad("target_queued_prompt_tokens", ">= 1")
+        if self.target_running_requests < 1:
+            raise bad("target_running_requests", ">= 1")
+        if not 0.0 < self.target_kv_usage <= 1.0:
+            raise bad("target_kv_usage", "in (0, 1]")
+
+    @property
+    def active(self) -> bool:
+        return (self.max_replicas or 0) > 0 if self.autoscaling else self.replicas > 0
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {"prefill": PoolConfig(), "decode": PoolConfig(), "mixed": PoolConfig(replicas=0)}
+
+
+@dataclass
+class ServeConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str | None = None  # default: the model's name or directory name
+    pools: dict[str, PoolConfig] = field(default_factory=_default_pools)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    app_name: str = "splitserve"
+    stats_period_s: float = 0.25  # how often workers report their load
+
+    def __post_init__(self) -> None:
+        unknown = set(self.pools) - set(POOLS)
+        if unknown:
+            raise ValueError(f"unknown pool {sorted(unknown)[0]!r}; pools: {', '.join(POOLS)}")
+        for name in POOLS:
+            self.pools.setdefault(name, PoolConfig(replicas=0))
+            self.pools[name].check(name)
+        self.router.check()
+        if not (
+            self.pools["mixed"].active
+            or (self.pools["prefill"].active and self.pools["decode"].active)
+        ):
+            raise ValueError(
+                "no worker can serve: give the mixed pool replicas, or both prefill and decode"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"invalid port={self.port}: must be in 1..65535")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.engine.model).name
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ServeConfig:
+        values = dict(known_keys(cls, values))
+        if "engine" in values:
+            values["engine"] = EngineConfig.from_dict(values["engine"])
+        if "router" in values:
+            values["router"] = RouterConfig(**known_keys(RouterConfig, values["router"], "router."))
+        if "pools" in values:
+            pools = {}
+            for name, pool in (values["pools"] or {}).items():
+                pools[name] = PoolConfig(**known_keys(PoolConfig, pool or {}, f"pools.{name}."))
+            values["pools"] = pools
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServeConfig:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+        try:
+            return cls.from_dict(values)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

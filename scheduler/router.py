@@ -1,0 +1,95 @@
+"""Splitwise role assignment: which worker computes a prompt, and which decodes it.
+
+Per request the router picks a **route**:
+
+- ``local_mixed``: a mixed worker does both (when there are mixed workers and
+  the prompt is short, or when one of the disaggregated pools is missing);
+- ``local_short``: a decode worker computes a short prompt itself; sending it
+  to a prefill worker would cost more than it saves;
+- ``disaggregated``: a prefill worker computes the prompt and hands the KV to a
+  decode worker. The decode worker may still keep it local when most of the
+  prompt is a hit in its prefix cache (``local_prefix_hit``, decided there).
+
+Within a pool the router ranks replicas by live load (``WorkerLoad``, from
+the workers' reported stats) plus the requests it sent them since the last
+report, so a burst does not pile onto one replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOCAL_MIXED = "local_mixed"
+LOCAL_SHORT = "local_short"
+LOCAL_PREFIX_HIT = "local_prefix_hit"
+DISAGGREGATED = "disaggregated"
+ROUTES = (LOCAL_MIXED, LOCAL_SHORT, LOCAL_PREFIX_HIT, DISAGGREGATED)
+
+
+@dataclass
+class RouterConfig:
+    # Prompts with at most this many tokens are computed where they decode.
+    local_prompt_tokens: int = 32
+    # A decode worker computes the prompt itself when its prefix cache holds this share.
+    local_prefix_hit_ratio: float = 0.8
+    # A decode worker over this KV usage is ranked after every other.
+    max_kv_usage: float = 0.95
+
+    def check(self) -> None:
+        if self.local_prompt_tokens < 0:
+            raise ValueError(
+                f"invalid router.local_prompt_tokens={self.local_prompt_tokens}: must be >= 0"
+            )
+        if not 0.0 < self.local_prefix_hit_ratio <= 1.0:
+            raise ValueError(
+                f"invalid router.local_prefix_hit_ratio={self.local_prefix_hit_ratio}: "
+                "must be in (0, 1]"
+            )
+        if not 0.0 < self.max_kv_usage <= 1.0:
+            raise ValueError(f"invalid router.max_kv_usage={self.max_kv_usage}: must be in (0, 1]")
+
+
+@dataclass
+class WorkerLoad:
+    queued_prompt_tokens: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_kv: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 1
+    kv_usage: float = 0.0
+
+    @classmethod
+    def from_stats(cls, stats: dict | None) -> WorkerLoad:
+        if not stats:
+            return cls()
+        return cls(**{k: stats[k] for k in cls.__dataclass_fields__ if k in stats})
+
+
+def choose_route(
+    config: RouterConfig,
+    num_prompt_tokens: int,
+    has_prefill: bool,
+    has_decode: bool,
+    has_mixed: bool,
+) -> str:
+    """The route of a new request, from its length and which pools exist."""
+    disaggregated_pools = has_prefill and has_decode
+    short = num_prompt_tokens <= config.local_prompt_tokens
+    if has_mixed and (short or not disaggregated_pools):
+        return LOCAL_MIXED
+    if not disaggregated_pools:
+        raise ValueError("no worker can serve: deploy a mixed pool, or prefill and decode pools")
+    return LOCAL_SHORT if short else DISAGGREGATED
+
+
+def prefill_cost(load: WorkerLoad, pending_tokens: int) -> tuple:
+    """Rank prefill replicas: fewest prompt tokens ahead of the new one."""
+    return (load.queued_prompt_tokens + pending_tokens, -load.num_free_blocks)
+
+
+def decode_cost(config: RouterConfig, load: WorkerLoad, pending_requests: int) -> tuple:
+    """Rank decode (and mixed) replicas: room in the KV cache first, then fewest sequences."""
+    full = load.kv_usage >= config.max_kv_usage
+    sequences = load.num_running + load.num_waiting + load.num_waiting_for_kv + pending_requests
+    return (full, sequences, load.queued_prompt_tokens, -load.num_free_blocks)
