@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ class Route:
 @dataclass
 class WorkerStats:
     role: str
+    pid: int
     num_running: int
     num_waiting: int  # prompts waiting to be scheduled
     num_waiting_for_kv: int  # remote requests with reserved blocks or waiting for them
@@ -129,12 +131,11 @@ class AsyncEngine:
             while not self._stopped:
                 self._drain_commands()
                 engine = self.engine
-                in_flight = engine.kv_transport is not None and engine.kv_transport.num_in_flight
-                if engine.has_runnable_requests() or in_flight:
+                if engine.has_unfinished_requests():  # a step also polls the transfers
                     for output in engine.step():
                         self._emit(output.request_id, _delta(output))
                     if not engine.has_runnable_requests():
-                        self._wait(TRANSFER_POLL_S)
+                        self._wait(TRANSFER_POLL_S)  # only hand-offs in flight
                 else:
                     self._wait(IDLE_WAIT_S)
                 self.stats = self._collect_stats()
@@ -193,6 +194,7 @@ class AsyncEngine:
         )
         return WorkerStats(
             role=engine.role,
+            pid=os.getpid(),
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_waiting_for_kv=statuses.count(RequestStatus.WAITING_FOR_KV),
@@ -218,4 +220,3 @@ def _delta(output: RequestOutput) -> RequestOutput:
     delta = replace(completion, text=output.new_text, token_ids=list(output.new_token_ids))
     delta.logprobs = logprobs
     return replace(output, outputs=[delta], prompt_token_ids=[], prompt=None)
-

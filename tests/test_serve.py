@@ -1,0 +1,382 @@
+"""End to end: ``splitserve serve`` on a real Ray cluster, spoken to over HTTP.
+
+One prefill and one decode worker serve a transformers-written Qwen3
+checkpoint on CPU. The tests run in file order on one cluster: the last ones
+kill replicas and resize the pools.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import yaml
+
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.scheduler.sampling_params import SamplingParams
+from splitserve.workers.engine import LLMEngine
+from tests import checkpoints
+
+pytestmark = pytest.mark.slow
+MAX_MODEL_LEN = 256
+NUM_BLOCKS = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, port: int):
+        self.port = port
+
+    def request(self, method: str, path: str, body=None, timeout: float = 60.0):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = body if isinstance(body, bytes | str) or body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        conn.close()
+        return resp.status, raw
+
+    def post(self, path: str, body) -> tuple[int, dict]:
+        status, raw = self.request("POST", path, body)
+        return status, json.loads(raw)
+
+    def stream(self, path: str, body) -> list[dict]:
+        status, raw = self.request("POST", path, {**body, "stream": True})
+        assert status == 200, raw
+        events = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+
+    def metrics(self) -> dict[str, float]:
+        status, raw = self.request("GET", "/metrics")
+        assert status == 200
+        values = {}
+        for line in raw.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def blocks(self) -> dict[str, tuple[float, float]]:
+        """pool -> (free KV blocks, usable KV blocks), summed over its replicas."""
+        out: dict[str, list[float]] = {}
+        for name, value in self.metrics().items():
+            m = re.match(r'splitserve_kv_(free_blocks|blocks)\{pool="(\w+)"', name)
+            if m:
+                pair = out.setdefault(m.group(2), [0.0, 0.0])
+                pair[0 if m.group(1) == "free_blocks" else 1] += value
+        return {pool: tuple(v) for pool, v in out.items()}
+
+    def wait_all_blocks_free(self, pools=("prefill", "decode"), timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            blocks = self.blocks()
+            if all(p in blocks and blocks[p][0] == blocks[p][1] for p in pools):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"KV blocks still held: {self.blocks()}")
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.request("GET", "/health", timeout=5)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError("the server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return checkpoints.write_qwen3(tmp_path_factory.mktemp("qwen3-serve"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    config = tmp_path_factory.mktemp("serve") / "serve.yaml"
+    port = _free_port()
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "engine": {
+                    "model": str(model_dir),
+                    "device": "cpu",
+                    "cache": {"block_size": 16, "num_kv_blocks": NUM_BLOCKS},
+                    "scheduler": {"max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 512},
+                    "kv_transfer": {"transport": "cpu", "timeout_s": 20},
+                },
+                "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+                "router": {"local_prompt_tokens": 24},
+                "served_model_name": "tiny",
+                "port": port,
+            }
+        )
+    )
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
+    server = Server(port)
+    try:
+        deadline = time.monotonic() + 180
+        while not any("serving tiny at" in line for line in log):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            time.sleep(0.2)
+        server.wait_healthy()
+        yield server
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        subprocess.run(["ray", "stop", "--force"], capture_output=True)
+    assert proc.returncode == 0, "".join(log[-40:])
+    assert any("shutting down" in line for line in log)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    """Greedy continuations from the offline engine, token ids in, token ids out."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            cache=CacheConfig(num_kv_blocks=NUM_BLOCKS),
+            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
+        )
+    )
+
+    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        rid = f"r{time.monotonic_ns()}"
+        engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+        tokens = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        return tokens
+
+    return generate
+
+
+LONG_PROMPT = (
+    "Prefill computes the prompt; decode generates one token at a time from the KV cache. "
+)
+SHORT_PROMPT = "Hello world!"
+
+
+def _completion(text: str, **extra) -> dict:
+    return {"prompt": text, "max_tokens": 16, "temperature": 0, "return_token_ids": True, **extra}
+
+
+def test_greedy_completions_match_the_offline_engine(server, offline):
+    for prompt in (LONG_PROMPT * 2, SHORT_PROMPT):
+        status, body = server.post("/v1/completions", _completion(prompt))
+        assert status == 200, body
+        (choice,) = body["choices"]
+        expected = offline(body["prompt_token_ids"], 16)
+        assert choice["token_ids"] == expected
+        assert body["usage"]["completion_tokens"] == 16
+        assert body["usage"]["prompt_tokens"] == len(body["prompt_token_ids"])
+        chunks = server.stream("/v1/completions", _completion(prompt))
+        streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        assert streamed == expected
+        assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == choice["text"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    m = server.metrics()
+    # The first long prompt is disaggregated; its repeat is a prefix-cache hit on the
+    # decode worker, which then computes it itself; short prompts never leave it.
+    assert m['splitserve_requests_total{outcome="ok",route="disaggregated"}'] == 1
+    assert m['splitserve_requests_total{outcome="ok",route="local_prefix_hit"}'] == 1
+    assert m['splitserve_requests_total{outcome="ok",route="local_short"}'] == 2
+    assert m['splitserve_kv_transfers_total{pool="prefill"}'] == 1
+    assert m['splitserve_kv_transfer_bytes_total{pool="prefill"}'] > 0
+    server.wait_all_blocks_free()
+
+
+def test_chat_completion_uses_the_chat_template(server, offline):
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": LONG_PROMPT}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "return_token_ids": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    status, resp = server.post("/v1/chat/completions", body)
+    assert status == 200, resp
+    assert resp["prompt_token_ids"][:1] == [1]  # <|im_start|>
+    (choice,) = resp["choices"]
+    assert choice["token_ids"] == offline(resp["prompt_token_ids"], 8)
+    assert choice["message"]["role"] == "assistant"
+    content = choice["logprobs"]["content"]
+    assert len(content) == 8 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["logprob"] <= 0 for c in content)
+
+
+def test_models_and_health(server):
+    status, raw = server.request("GET", "/v1/models")
+    assert status == 200 and json.loads(raw)["data"][0]["id"] == "tiny"
+    status, raw = server.request("GET", "/health")
+    assert status == 200 and json.loads(raw)["replicas"] == {"prefill": 1, "decode": 1}
+
+
+def test_32_concurrent_streams_complete(server):
+    results: dict[int, list[dict]] = {}
+
+    def run(i: int) -> None:
+        prompt = (LONG_PROMPT if i % 2 else SHORT_PROMPT) + str(i)
+        results[i] = server.stream("/v1/completions", _completion(prompt, max_tokens=12))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert sorted(results) == list(range(32))
+    for chunks in results.values():
+        tokens = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        assert len(tokens) == 12 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    server.wait_all_blocks_free()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "model": "gpt-9"}, 404, "gpt-9"),
+        ({"prompt": [1, 2, 999999]}, 400, "999999"),
+        ({"prompt": "x" * 2000}, 400, "context"),
+        ({"prompt": "hi", "n": 3}, 400, "n"),
+        ({"prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, needle):
+    got, raw = server.request("POST", "/v1/completions", body)
+    assert got == status, raw
+    error = json.loads(raw)["error"]
+    assert needle in error["message"] and error["type"] and "param" in error and "code" in error
+    ok, _ = server.post("/v1/completions", _completion(SHORT_PROMPT, max_tokens=2))
+    assert ok == 200
+
+
+def _open_stream(server: Server, body: dict) -> tuple[socket.socket, bytes]:
+    """Send a streaming request on a raw socket and read until two events arrived."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    payload = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    seen = b""
+    while seen.count(b"data: ") < 2:
+        seen += sock.recv(65536)
+    return sock, seen
+
+
+def test_client_disconnect_frees_kv_on_both_workers(server):
+    body = _completion("Disconnect. " + LONG_PROMPT * 2, max_tokens=200)  # no prefix hit
+    sock, _ = _open_stream(server, body)
+    time.sleep(0.3)
+    busy = server.blocks()
+    assert busy["decode"][0] < busy["decode"][1]  # the decode worker holds the request's KV
+    sock.close()
+    server.wait_all_blocks_free()
+    assert server.metrics()['splitserve_requests_total{outcome="cancelled",route="disaggregated"}']
+
+
+def _replica_pids(server: Server) -> dict[str, int]:
+    """pool -> pid of its (single) live replica, from the metrics."""
+    pids = {}
+    for name, value in server.metrics().items():
+        m = re.match(r'splitserve_worker_pid\{pool="(\w+)"', name)
+        if m:
+            pids[m.group(1)] = int(value)
+    return pids
+
+
+@pytest.mark.parametrize("pool", ["decode", "prefill"])
+def test_killed_replica_ends_the_request_cleanly(server, pool):
+    pids = _replica_pids(server)
+    body = _completion(f"Kill the {pool} worker. " + LONG_PROMPT * 2, max_tokens=150)
+    results = []
+
+    def run():
+        results.append(server.request("POST", "/v1/completions", {**body, "stream": True}))
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    os.kill(pids[pool], signal.SIGKILL)
+    t.join(timeout=120)
+    status, raw = results[0]
+    assert status == 200
+    if '"error"' in raw:  # tokens were already sent: a clear error ends the stream
+        assert "failed" in raw and raw.rstrip().endswith("data: [DONE]")
+    else:  # the request was retried on the new pair
+        assert '"finish_reason":"length"' in raw
+    server.wait_healthy()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the new replica serves
+        if _replica_pids(server).get(pool) not in (None, pids[pool]):
+            status, resp = server.post("/v1/completions", _completion(LONG_PROMPT * 2))
+            if status == 200:
+                break
+        time.sleep(1)
+    assert status == 200, resp
+    for _ in range(3):
+        assert server.post("/v1/completions", _completion(LONG_PROMPT + "again"))[0] == 200
+    server.wait_all_blocks_free(timeout=60)
+
+
+def test_scale_to_a_mixed_worker_alone(server, offline):
+    address_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "scale"]
+    done = subprocess.run(
+        [*cmd, "--prefill", "0", "--decode", "0", "--mixed", "1"],
+        capture_output=True,
+        text=True,
+        env=address_env,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "mixed=1" in done.stdout
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        status, raw = server.request("GET", "/health")
+        if status == 200 and json.loads(raw)["replicas"] == {"mixed": 1}:
+            break
+        time.sleep(1)
+    for prompt in (LONG_PROMPT * 2, SHORT_PROMPT):
+        status, body = server.post("/v1/completions", _completion(prompt))
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == offline(body["prompt_token_ids"], 16)
+    m = server.metrics()
+    assert m['splitserve_requests_total{outcome="ok",route="local_mixed"}'] >= 2
+    server.wait_all_blocks_free(pools=("mixed",))
