@@ -1,0 +1,95 @@
+"""Route choice, replica ranking, autoscaling decisions and deployment-config checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.cluster.autoscaling import PoolAutoscalingPolicy
+from splitserve.cluster.serve_command import default_config_path
+from splitserve.cluster.serve_config import ServeConfig
+from splitserve.scheduler import router
+from splitserve.scheduler.router import RouterConfig, WorkerLoad
+
+
+def test_routes_follow_prompt_length_and_pools():
+    cfg = RouterConfig(local_prompt_tokens=32)
+    assert router.choose_route(cfg, 32, True, True, False) == router.LOCAL_SHORT
+    assert router.choose_route(cfg, 33, True, True, False) == router.DISAGGREGATED
+    assert router.choose_route(cfg, 10, True, True, True) == router.LOCAL_MIXED
+    assert router.choose_route(cfg, 500, True, True, True) == router.DISAGGREGATED
+    assert router.choose_route(cfg, 500, False, True, True) == router.LOCAL_MIXED
+    with pytest.raises(ValueError, match="no worker can serve"):
+        router.choose_route(cfg, 500, True, False, False)
+
+
+def test_replica_ranking_uses_live_load():
+    cfg = RouterConfig()
+    idle = WorkerLoad(queued_prompt_tokens=0, num_free_blocks=10)
+    busy = WorkerLoad(queued_prompt_tokens=4000, num_free_blocks=100)
+    assert router.prefill_cost(idle, 0) < router.prefill_cost(busy, 0)
+    assert router.prefill_cost(idle, 5000) > router.prefill_cost(busy, 0)  # routed, unreported
+    light = WorkerLoad(num_running=2, kv_usage=0.5)
+    heavy = WorkerLoad(num_running=9, kv_usage=0.5)
+    full = WorkerLoad(num_running=0, kv_usage=0.99)
+    ranked = sorted([full, heavy, light], key=lambda w: router.decode_cost(cfg, w, 0))
+    assert ranked == [light, heavy, full]
+    assert WorkerLoad.from_stats({"num_running": 3, "role": "decode"}).num_running == 3
+
+
+class _Ctx:
+    def __init__(self, metrics, current=1, low=1, high=8):
+        self.aggregated_metrics = metrics
+        self.current_num_replicas = current
+        self.capacity_adjusted_min_replicas = low
+        self.capacity_adjusted_max_replicas = high
+
+
+def test_prefill_pool_scales_on_queued_prompt_tokens():
+    policy = PoolAutoscalingPolicy("prefill", 1000, 32, 0.8)
+    assert policy(_Ctx({"queued_prompt_tokens": {"a": 2500.0, "b": 900.0}}))[0] == 4
+    assert policy(_Ctx({"queued_prompt_tokens": {"a": 0.0}}))[0] == 1  # min_replicas
+    assert policy(_Ctx({"queued_prompt_tokens": {"a": 1e6}}))[0] == 8  # max_replicas
+    assert policy(_Ctx({}, current=3))[0] == 3  # nothing reported yet: hold
+
+
+def test_decode_pool_scales_on_running_requests_and_kv_usage():
+    policy = PoolAutoscalingPolicy("decode", 1000, 32, 0.8)
+    by_requests = {"running_requests": {"a": 60.0, "b": 40.0}, "kv_usage": {"a": 0.1, "b": 0.1}}
+    assert policy(_Ctx(by_requests, current=2))[0] == 4
+    by_kv = {"running_requests": {"a": 2.0, "b": 2.0}, "kv_usage": {"a": 0.95, "b": 0.9}}
+    assert policy(_Ctx(by_kv, current=2))[0] == 3
+
+
+def test_shipped_configs_load():
+    config = ServeConfig.from_yaml(default_config_path())
+    assert config.engine.device == "cpu" and config.port == 8000
+    assert config.pools["prefill"].replicas == 1 and config.pools["decode"].replicas == 1
+    assert not config.pools["mixed"].active
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"pools": {"decode": {"max_replica": 2}}}, "key 'pools.decode.max_replica'"),
+        ({"pools": {"prefil": {}}}, "unknown pool 'prefil'"),
+        ({"router": {"local_prompt_token": 3}}, "unknown config key 'router.local_prompt_token'"),
+        ({"engine": {"cache": {"blocksize": 8}}}, "unknown config key 'cache.blocksize'"),
+        ({"engine": {"role": "both"}}, "invalid role='both'"),
+        ({"engine": {"kv_transfer": {"transport": "rdma"}}}, "kv_transfer.transport='rdma'"),
+        ({"pools": {"decode": {"min_replicas": 1}}}, "set both min_replicas and max_replicas"),
+        ({"pools": {"decode": {"replicas": 0}}}, "no worker can serve"),
+        ({"router": {"local_prefix_hit_ratio": 0}}, "local_prefix_hit_ratio=0"),
+        ({"port": 0}, "invalid port=0"),
+        ({"hosts": "x"}, "unknown config key 'hosts'"),
+    ],
+)
+def test_bad_configs_name_the_key(values, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("'", "'")):
+        ServeConfig.from_dict(values)
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("pools:\n  decode: {replicas: -1}\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: invalid pools.decode.replicas=-1"):
+        ServeConfig.from_yaml(path)
