@@ -137,6 +137,6 @@ def _nccl_rendezvous(app_name: str):
     def rendezvous(ticket, pair_key: str, unique_id: bytes):
         handle = serve.get_deployment_handle("decode", app_name=app_name)
         request = {"worker": ticket.owner, "pair": pair_key, "unique_id": unique_id}
-        return handle.nccl_join.remote(request)
+        return handle.nccl_join.remote(request).result(timeout_s=60)
 
     return rendezvous

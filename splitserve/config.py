@@ -118,6 +118,9 @@ class EngineConfig:
     dtype: str = "float32"
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0  # seed of random-init presets and of unseeded sampling
+    # auto: the checkpoint's weights (presets: portable seeded init); dummy: random
+    # weights drawn on the device, fast, for benchmarks of full-size shapes.
+    load_format: str = "auto"
     attention_backend: str = "auto"  # auto | torch
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -128,6 +131,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"invalid load_format={self.load_format!r}: must be auto or dummy")
         if self.role not in ROLES:
             raise ValueError(f"invalid role={self.role!r}: must be one of {', '.join(ROLES)}")
         self.cache.check()

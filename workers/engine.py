@@ -59,7 +59,14 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype)
         self.hf_config, path = load_hf_config(config.model)
         self.tokenizer = load_tokenizer(path) if path is not None else tiny_tokenizer()
-        model = load_model(self.hf_config, path, dtype, self.device, seed=config.seed)
+        model = load_model(
+            self.hf_config,
+            path,
+            dtype,
+            self.device,
+            seed=config.seed,
+            load_format=config.load_format,
+        )
         self.max_model_len = _max_model_len(config, self.hf_config)
         self.eos_token_ids = _eos_token_ids(self.hf_config, self.tokenizer)
         kv_spec = model.kv_spec.cache_spec(config.cache.block_size, dtype)

@@ -61,11 +61,14 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     seed: int = 0,
+    load_format: str = "auto",
 ) -> nn.Module:
     model_class = get_model_class(hf_config.architectures)
     with _default_dtype(dtype), torch.device(device):
         model = model_class(hf_config)
-    if path is None:
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    elif path is None:
         init_random_weights(model, seed)
     else:
         load_checkpoint(model, Path(path))
@@ -131,6 +134,19 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
         else:
             values = rng.standard_normal(tensor.shape, dtype=np.float32) * INIT_STD
         tensor.data.copy_(torch.from_numpy(values))
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Like ``init_random_weights`` but drawn on the weights' device: fast, not portable."""
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for name, tensor in model.weight_tensors().items():
+        if id(tensor) in norms:
+            tensor.data.fill_(1.0)
+            continue
+        gen = torch.Generator(tensor.device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+        tensor.data.normal_(0.0, INIT_STD, generator=gen)
+        if name.endswith("e_score_correction_bias"):
+            tensor.data.abs_().clamp_(max=0.1)
 
 
 @contextlib.contextmanager
