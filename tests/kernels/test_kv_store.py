@@ -9,6 +9,8 @@ FP8 = torch.float8_e4m3fn
 # (num_tokens, num_kv_heads, head_dim, block_size, num_blocks)
 SHAPES = [(7, 2, 64, 4, 5), (13, 3, 80, 16, 3)]
 GPU_SHAPES = [(2048, 8, 128, 16, 300), (333, 4, 96, 32, 20)]
+FP8_OK = not ON_GPU or torch.cuda.get_device_capability() >= (8, 9)
+needs_fp8 = pytest.mark.skipif(not FP8_OK, reason="FP8 needs compute capability >= 8.9")
 
 
 def cache_shape(layout, num_blocks, block_size, heads, dim):
@@ -80,6 +82,7 @@ def e4m3_values(n: int, device=DEVICE) -> torch.Tensor:
     return values
 
 
+@needs_fp8
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_store_kv_fp8_exact_on_representable_values(layout):
     """Values that are exactly ``fp8 * 2^-3`` quantize without rounding, so the Triton store
@@ -120,6 +123,7 @@ def test_fp8_reference_scale_is_calibrated_once_and_saturates():
     assert flat.abs().max().item() == 448.0 and not flat.isnan().any()
 
 
+@needs_fp8
 def test_fp8_scale_stays_uncalibrated_without_rows():
     k, v, k_cache, v_cache, slots = make_inputs(SHAPES[0], "NHD", torch.float32, FP8)
     slots.fill_(-1)
@@ -134,9 +138,8 @@ def test_fp8_scale_stays_uncalibrated_without_rows():
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@needs_fp8
 def test_store_kv_fp8_matches_reference_on_gpu(dtype, layout):
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs compute capability >= 8.9")
     k, v, k_cache, v_cache, slots = make_inputs(GPU_SHAPES[0], layout, dtype, FP8)
     scales = [torch.zeros(1, device=DEVICE) for _ in range(4)]
     k_ref, v_ref = k_cache.clone(), v_cache.clone()

@@ -3,7 +3,7 @@ import torch
 
 from splitserve.kernels import moe_routing as ref
 from splitserve.kernels.triton import moe_routing as tri
-from tests.kernels.utils import DEVICE, assert_close, randn
+from tests.kernels.utils import DEVICE, ON_GPU, assert_close, randn
 
 # (num_tokens, num_experts, top_k)
 SOFTMAX_SHAPES = [(9, 8, 2), (5, 60, 4), (7, 128, 8)]
@@ -11,6 +11,17 @@ SOFTMAX_GPU = [(4096, 128, 8), (1000, 160, 8)]
 # (num_tokens, num_experts, top_k, n_group, topk_group)
 GROUPED_SHAPES = [(6, 16, 4, 4, 2), (5, 64, 6, 8, 3), (4, 160, 8, 1, 1), (7, 48, 4, 3, 2)]
 GROUPED_GPU = [(4096, 256, 8, 8, 4), (1000, 160, 8, 1, 1)]
+
+
+# The GPU's exp differs from torch's in the last bit, which can swap two experts whose
+# scores are that close; thousands of GPU tokens make such a near-tie plausible.
+MAX_SWAPPED_TOKENS = 1e-3 if ON_GPU else 0.0
+
+
+def assert_same_routing(weights, ids, weights_ref, ids_ref):
+    same = (ids == ids_ref).all(dim=-1)
+    assert (~same).float().mean().item() <= MAX_SWAPPED_TOKENS, f"{(~same).sum()} tokens differ"
+    assert_close(weights[same], weights_ref[same], torch.float32)
 
 
 def gpu(shapes):
@@ -31,8 +42,7 @@ def test_softmax_topk_matches_reference(shape, renormalize):
     weights, ids = tri.softmax_topk(logits, top_k, renormalize)
     weights_ref, ids_ref = ref.softmax_topk(logits, top_k, renormalize)
     assert ids.dtype == ids_ref.dtype == torch.int64 and weights.dtype == torch.float32
-    assert torch.equal(ids, ids_ref)  # both in descending order of probability
-    assert_close(weights, weights_ref, torch.float32)
+    assert_same_routing(weights, ids, weights_ref, ids_ref)  # both in descending order
     if renormalize:
         assert_close(weights.sum(-1), torch.ones(num_tokens, device=DEVICE), torch.float32)
 
@@ -70,8 +80,7 @@ def test_noaux_tc_topk_matches_reference(shape, with_bias, renormalize):
     weights_ref, ids_ref = ref.noaux_tc_topk(logits, bias, *args)
     weights, ids = by_expert(weights, ids)
     weights_ref, ids_ref = by_expert(weights_ref, ids_ref)
-    assert torch.equal(ids, ids_ref)
-    assert_close(weights, weights_ref, torch.float32)
+    assert_same_routing(weights, ids, weights_ref, ids_ref)
     assert all(len(row.unique()) <= topk_group for row in ids // (num_experts // n_group))
 
 
