@@ -136,7 +136,7 @@ def store_kv_fp8(
     if num_tokens:
         block_h, block_d = _tile(num_heads, head_dim)
         grid = (num_tokens, triton.cdiv(num_heads, block_h))
-        k, v = _rows(k), _rows(v)
+        k, v, slot_mapping = _rows(k), _rows(v), slot_mapping.contiguous()
         _amax_kernel[grid](
             k, v, slot_mapping, amax, num_heads, head_dim, *k.stride()[:2], *v.stride()[:2],
             BLOCK_H=block_h, BLOCK_D=block_d,
@@ -154,11 +154,16 @@ def _launch(k, v, k_cache, v_cache, slot_mapping, layout, k_scale, v_scale) -> N
         raise ValueError(f"K/V shapes differ: {tuple(k.shape)} / {tuple(v.shape)}")
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("K and V caches need equal strides and a contiguous head_dim")
+    _, s1, s2, cache_dim = k_cache.shape
+    block_size, cache_heads = (s1, s2) if layout == "NHD" else (s2, s1)
+    if (cache_heads, cache_dim) != (num_heads, head_dim):
+        raise ValueError(
+            f"{layout} cache {tuple(k_cache.shape)} does not hold {num_heads} heads of {head_dim}"
+        )
     if num_tokens == 0:
         return
-    k, v = _rows(k), _rows(v)
+    k, v, slot_mapping = _rows(k), _rows(v), slot_mapping.contiguous()
     stride_block, s1, s2, _ = k_cache.stride()
-    block_size = k_cache.shape[1] if layout == "NHD" else k_cache.shape[2]
     stride_offset, stride_head = (s1, s2) if layout == "NHD" else (s2, s1)
     block_h, block_d = _tile(num_heads, head_dim)
     fp8 = k_scale is not None

@@ -64,10 +64,14 @@ def test_reference_layouts_agree_and_skip_minus_one():
     assert torch.equal(flat[untouched], flat_before[untouched])
 
 
-def test_unknown_layout_is_refused():
+def test_unknown_layout_and_mismatched_cache_are_refused():
     k, v, k_cache, v_cache, slots = make_inputs(SHAPES[0], "NHD", torch.float32, torch.float32)
     with pytest.raises(ValueError, match="layout"):
         tri.store_kv(k, v, k_cache, v_cache, slots, "NDH")
+    with pytest.raises(ValueError, match="does not hold"):
+        tri.store_kv(k, v, k_cache, v_cache, slots, "HND")  # an NHD cache read as HND
+    with pytest.raises(ValueError, match="store_kv_fp8"):
+        tri.store_kv(k, v, k_cache.to(FP8), v_cache.to(FP8), slots)
 
 
 # --- FP8 -------------------------------------------------------------------------------
