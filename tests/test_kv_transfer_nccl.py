@@ -1,0 +1,284 @@
+"""NCCL KV transport between two Ray actors on two GPUs: bytes arrive unchanged, failures end.
+
+Each actor owns a bf16 KV cache on its own GPU and an ``NcclKVTransport``; the
+sender's rendezvous calls the receiver actor, which joins the communicator.
+Run on a machine with two GPUs: ``python -m pytest -q -m gpu tests/test_kv_transfer_nccl.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("cupy")
+ray = pytest.importorskip("ray")
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 GPUs", allow_module_level=True)
+
+from splitserve.workers.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from splitserve.workers.kv_transfer.registry import make_kv_transport  # noqa: E402
+from splitserve.workers.kv_transfer.ticket import (  # noqa: E402
+    TransferDone,
+    TransferTicket,
+    token_slots,
+)
+
+pytestmark = pytest.mark.gpu
+
+NUM_LAYERS, HEADS, DIM = 4, 4, 64
+STALL_CYCLES = 4_000_000_000  # about 2 s of GPU clock
+
+
+class Side:
+    """One worker: a KV cache on ``cuda:{device}`` and its NCCL transport."""
+
+    def __init__(self, device: int, block_size: int, seed: int, num_blocks: int = 300):
+        # Ray runs methods on several threads: name the device everywhere, never rely
+        # on a thread's current one.
+        self.device = torch.device("cuda", device)
+        spec = KVCacheSpec(NUM_LAYERS, HEADS, DIM, block_size, torch.bfloat16)
+        self.cache = KVCache(spec, num_blocks, self.device)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for t in self.cache.k + self.cache.v:  # page 0 stays zero
+            t[1:] = torch.randn(t[1:].shape, generator=gen, device=t.device).to(t.dtype)
+        self.peer = None
+        self.transport = make_kv_transport(
+            "nccl", self.cache, timeout_s=10.0, owner=f"gpu{device}", rendezvous=self._rendezvous
+        )
+
+    def _rendezvous(self, ticket: TransferTicket, pair_key: str, unique_id: bytes) -> None:
+        ray.get(self.peer.join.remote(pair_key, unique_id))
+
+    def set_peer(self, peer) -> None:
+        self.peer = peer
+
+    def join(self, pair_key: str, unique_id: bytes) -> None:
+        self.transport.join(pair_key, unique_id)
+
+    def set_layers_per_message(self, n: int) -> None:
+        self.transport.layers_per_message = n
+
+    def expect(self, rid: str, block_ids: list[int], start: int, num_tokens: int) -> bytes:
+        ticket = self.transport.make_ticket(rid, block_ids, start, num_tokens, NUM_LAYERS)
+        self.transport.expect(ticket)
+        return ticket.pack()
+
+    def send(
+        self, ticket: bytes, src_blocks, layers=None, first=7, start=True, finish=True, stall=0
+    ):
+        t = TransferTicket.unpack(ticket)
+        if start:
+            self.transport.start_send(t, src_blocks)
+        if stall:  # keep the compute stream busy, so the sends wait behind it
+            with torch.cuda.device(self.device):
+                torch.cuda._sleep(stall)
+        for layer in range(NUM_LAYERS) if layers is None else layers:
+            self.transport.send_layer(t.request_id, layer)
+        if finish:
+            self.transport.finish_send(t.request_id, TransferDone(t.request_id, first))
+
+    def cancel(self, rid: str) -> None:
+        self.transport.cancel(rid)
+
+    def events(self, n: int = 1, timeout: float = 20.0) -> list[tuple]:
+        events, deadline = [], time.monotonic() + timeout
+        while len(events) < n and time.monotonic() < deadline:
+            events += self.transport.poll()
+            time.sleep(0.005)
+        events += self.transport.poll()  # and nothing more must be pending
+        first = [e.done.first_token if e.done else None for e in events]
+        return [(e.request_id, e.side, e.ok, e.error, f) for e, f in zip(events, first)]
+
+    def tokens(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """``[layers, 2, tokens, heads, dim]`` as int16 on the CPU."""
+        slots = token_slots(block_ids, self.cache.block_size, start, end).to(self.device)
+        kv = [
+            torch.stack((_flat(k)[slots], _flat(v)[slots]))
+            for k, v in zip(self.cache.k, self.cache.v)
+        ]
+        return torch.stack(kv).view(torch.int16).cpu()
+
+    def clear(self, block_ids: list[int], start: int, end: int) -> None:
+        slots = token_slots(block_ids, self.cache.block_size, start, end).to(self.device)
+        for k, v in zip(self.cache.k, self.cache.v):
+            _flat(k)[slots] = 0
+            _flat(v)[slots] = 0
+
+    def snapshot(self) -> torch.Tensor:
+        """The whole cache as ``[layers, 2, slots, heads, dim]`` int16 on the CPU."""
+        kv = [torch.stack((_flat(k), _flat(v))) for k, v in zip(self.cache.k, self.cache.v)]
+        return torch.stack(kv).view(torch.int16).cpu()
+
+    def in_flight(self) -> int:
+        return self.transport.num_in_flight
+
+    def gpu_drains(self, timeout: float = 10.0) -> bool:
+        """No NCCL kernel is stuck: the device synchronises within ``timeout``."""
+        thread = threading.Thread(target=torch.cuda.synchronize, args=(self.device,), daemon=True)
+        thread.start()
+        thread.join(timeout)
+        return not thread.is_alive()
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(-1, *cache.shape[2:])
+
+
+RemoteSide = ray.remote(num_gpus=0, max_concurrency=4)(Side)
+
+
+def _side(device: int, block_size: int, seed: int):
+    return RemoteSide.remote(device, block_size, seed)
+
+
+def _connect(sender, receiver) -> None:
+    ray.get(sender.set_peer.remote(receiver))
+
+
+@pytest.fixture(scope="module")
+def sides():
+    # Actors ask for no Ray GPU and pick their device themselves: keep all GPUs visible.
+    os.environ["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "0"
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    a, b = _side(0, block_size=16, seed=1), _side(1, block_size=32, seed=2)
+    _connect(a, b)
+    _connect(b, a)
+    yield a, b
+    ray.shutdown()
+
+
+def _hand_off(sender, receiver, rid, src, dst, start, num_tokens, first=7, **kw):
+    ticket = ray.get(receiver.expect.remote(rid, dst, start, num_tokens))
+    ray.get(sender.send.remote(ticket, src, first=first, **kw))
+
+
+def _assert_arrived(sender, receiver, src, dst, start, num_tokens):
+    sent = ray.get(sender.tokens.remote(src, start, num_tokens))
+    got = ray.get(receiver.tokens.remote(dst, start, num_tokens))
+    assert torch.equal(sent, got)
+
+
+@pytest.mark.parametrize("layers_per_message", [1, 3])
+@pytest.mark.parametrize("direction", ["16->32", "32->16"])
+def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_per_message):
+    sender, receiver = sides if direction == "16->32" else sides[::-1]
+    big = direction == "32->16"  # the sender's blocks hold 32 tokens
+    src = [5, 2, 9] if big else [5, 2, 9, 30, 17, 11]  # 96 tokens
+    dst = [7, 40, 3, 12, 28, 1] if big else [7, 40, 3]
+    ray.get(sender.set_layers_per_message.remote(layers_per_message))
+    ray.get(receiver.clear.remote(dst, 20, 90))  # earlier cases sent the same bytes here
+    before = ray.get(receiver.snapshot.remote())
+    rid = f"ident-{direction}-{layers_per_message}"
+    _hand_off(sender, receiver, rid, src, dst, start=20, num_tokens=90)
+    ((_, side, ok, error, first),) = ray.get(receiver.events.remote())
+    assert ok and side == "recv" and first == 7, error
+    ((_, side, ok, error, _),) = ray.get(sender.events.remote())
+    assert ok and side == "send", error
+    _assert_arrived(sender, receiver, src, dst, 20, 90)
+    # Slots before start_token (a prefix hit) and every other slot are untouched.
+    block = 16 if big else 32
+    written = token_slots(dst, block, 20, 90)
+    keep = torch.ones(before.shape[2], dtype=torch.bool)
+    keep[written] = False
+    after = ray.get(receiver.snapshot.remote())
+    assert torch.equal(before[:, :, keep], after[:, :, keep])
+    assert not torch.equal(before[:, :, written], after[:, :, written])
+    assert ray.get(sender.in_flight.remote()) == 0 and ray.get(receiver.in_flight.remote()) == 0
+    ray.get(sender.set_layers_per_message.remote(1))
+
+
+def test_many_transfers_in_a_row_stay_ordered(sides):
+    sender, receiver = sides
+    ray.get(sender.set_layers_per_message.remote(2))
+    for i in range(12):  # 32 tokens each, from distinct blocks into distinct blocks
+        _hand_off(sender, receiver, f"many{i}", [1 + 2 * i, 2 + 2 * i], [30 + i], 0, 32, first=i)
+    events = ray.get(receiver.events.remote(12))
+    assert sorted(e[4] for e in events) == list(range(12)) and all(e[2] for e in events)
+    assert all(e[2] for e in ray.get(sender.events.remote(12)))
+    for i in range(12):
+        _assert_arrived(sender, receiver, [1 + 2 * i, 2 + 2 * i], [30 + i], 0, 32)
+    ray.get(sender.set_layers_per_message.remote(1))
+
+
+def test_receiver_cancel_nacks_the_sender_and_the_pair_stays_in_step(sides):
+    sender, receiver = sides
+    ticket = ray.get(receiver.expect.remote("rc", [1, 2], 0, 50))
+    ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=[0], finish=False))
+    time.sleep(0.2)
+    ray.get(receiver.cancel.remote("rc"))
+    ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=range(1, NUM_LAYERS), start=False))
+    ((_, _, ok, error, _),) = ray.get(sender.events.remote())
+    assert not ok and "no longer expects" in error
+    assert ray.get(receiver.events.remote(timeout=0.5)) == []  # a cancel here reports nothing
+    # The layers that went on after the cancel were received into scratch: the next
+    # transfer on the same communicator still lines up.
+    _hand_off(sender, receiver, "rc-next", [7, 8], [9], 0, 32)
+    assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
+    assert [e[2] for e in ray.get(sender.events.remote())] == [True]
+    _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
+
+
+def test_sender_cancel_fails_the_receiver_and_the_pair_stays_in_step(sides):
+    sender, receiver = sides
+    ticket = ray.get(receiver.expect.remote("sc", [1, 2], 0, 50))
+    ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=[0, 1], finish=False))
+    ray.get(sender.cancel.remote("sc"))
+    ((_, _, ok, error, _),) = ray.get(receiver.events.remote())
+    assert not ok and "cancelled" in error
+    assert ray.get(sender.events.remote(timeout=0.5)) == []
+    _hand_off(sender, receiver, "sc-next", [7, 8], [9], 0, 32)
+    assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
+    assert [e[2] for e in ray.get(sender.events.remote())] == [True]
+    _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
+
+
+def test_dead_receiver_fails_the_sender_without_a_stuck_send(sides):
+    sender, _ = sides
+    doomed = _side(1, block_size=32, seed=3)
+    _connect(sender, doomed)
+    # 4096 tokens in one 16.8 MB message: more than NCCL buffers without a live receiver.
+    ticket = ray.get(doomed.expect.remote("dr", list(range(1, 129)), 0, 4096))
+    ray.get(sender.set_layers_per_message.remote(NUM_LAYERS))
+    # The send waits behind a busy compute stream while the receiver dies.
+    ray.get(sender.send.remote(ticket, list(range(1, 257)), finish=False, stall=STALL_CYCLES))
+    ray.kill(doomed)
+    ((rid, _, ok, error, _),) = ray.get(sender.events.remote())
+    assert rid == "dr" and not ok and ("went away" in error or "failed" in error), error
+    assert ray.get(sender.gpu_drains.remote(30.0))  # the communicator was aborted
+    ray.get(sender.set_layers_per_message.remote(1))
+    # A new receiver gets a new communicator.
+    fresh = _side(1, block_size=32, seed=4)
+    _connect(sender, fresh)
+    _hand_off(sender, fresh, "dr-next", [7, 8], [9], 0, 32)
+    assert [e[2] for e in ray.get(fresh.events.remote())] == [True]
+    assert [e[2] for e in ray.get(sender.events.remote())] == [True]
+    _assert_arrived(sender, fresh, [7, 8], [9], 0, 32)
+    ray.kill(fresh)
+
+
+def test_dead_sender_fails_the_receiver_without_a_stuck_recv(sides):
+    sender, receiver = sides
+    doomed = _side(0, block_size=16, seed=5)
+    _connect(doomed, receiver)
+    ticket = ray.get(receiver.expect.remote("ds", [1, 2], 0, 50))
+    # The headers go out at once, the sends wait behind a busy compute stream: the
+    # receiver has posted receives that no send will ever match.
+    ray.get(doomed.send.remote(ticket, [3, 4, 5, 6], finish=False, stall=STALL_CYCLES))
+    time.sleep(0.3)
+    ray.kill(doomed)
+    ((rid, _, ok, error, _),) = ray.get(receiver.events.remote())
+    assert rid == "ds" and not ok and "went away" in error, error
+    assert ray.get(receiver.gpu_drains.remote(30.0))
+    assert ray.get(receiver.in_flight.remote()) == 0
+    # The receiver's other communicator is unaffected.
+    _hand_off(sender, receiver, "ds-next", [7, 8], [9], 0, 32)
+    assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
+    assert [e[2] for e in ray.get(sender.events.remote())] == [True]
+    _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
