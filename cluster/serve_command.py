@@ -89,6 +89,8 @@ def serve_main(args: argparse.Namespace) -> int:
     try:
         serve.run(build_app(config), name=config.app_name, route_prefix="/")
         url = f"http://{config.host}:{config.port}/v1"
+        address = ray.get_runtime_context().gcs_address
+        print(f"splitserve: Ray cluster at {address}", flush=True)
         print(f"splitserve: serving {config.model_name} at {url}", flush=True)
         _wait_for_signal()
     finally:

@@ -91,7 +91,8 @@ def test_unknown_dtype_lists_accepted():
 
 def test_unknown_preset_lists_presets(tmp_path):
     with pytest.raises(
-        ValueError, match="'qwen9-huge'.*presets: glm4-moe-tiny, qwen3-moe-tiny, qwen3-tiny"
+        ValueError,
+        match="'qwen9-huge'.*presets: glm4-moe-tiny, qwen3-8b-shape, qwen3-moe-tiny, qwen3-tiny",
     ):
         load_hf_config("qwen9-huge")
     with pytest.raises(ValueError, match="directory without config.json"):
@@ -211,7 +212,16 @@ def test_bfloat16_load(glm_dir):
 # ---- presets
 
 
-@pytest.mark.parametrize("preset", list_presets())
+TINY_PRESETS = [p for p in list_presets() if p.endswith("-tiny")]  # full shapes: benchmarks only
+
+
+def test_full_size_shape_preset_loads_its_config():
+    config, path = load_hf_config("qwen3-8b-shape")
+    assert path is None and config.num_hidden_layers == 36 and config.num_key_value_heads == 8
+    assert config.head_dim == 128 and config.hidden_size == 4096
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_preset_random_init_is_deterministic(preset):
     config, path = load_hf_config(preset)
     assert path is None and config.vocab_size == 512 and config.eos_token_id == 0

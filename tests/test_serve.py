@@ -40,6 +40,7 @@ def _free_port() -> int:
 class Server:
     def __init__(self, port: int):
         self.port = port
+        self.ray_address = ""
 
     def request(self, method: str, path: str, body=None, timeout: float = 60.0):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -144,6 +145,8 @@ def server(model_dir, tmp_path_factory):
         while not any("serving tiny at" in line for line in log):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
             time.sleep(0.2)
+        (line,) = [line for line in log if "Ray cluster at" in line]
+        server.ray_address = line.split("Ray cluster at ")[1].strip()
         server.wait_healthy()
         yield server
     finally:
@@ -152,7 +155,6 @@ def server(model_dir, tmp_path_factory):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-        subprocess.run(["ray", "stop", "--force"], capture_output=True)
     assert proc.returncode == 0, "".join(log[-40:])
     assert any("shutting down" in line for line in log)
 
@@ -356,10 +358,11 @@ def test_killed_replica_ends_the_request_cleanly(server, pool):
 
 
 def test_scale_to_a_mixed_worker_alone(server, offline):
-    address_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # The cluster `serve` started uses Ray's token authentication (the token is in ~/.ray).
+    address_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
     cmd = [sys.executable, "-m", "splitserve.cluster.cli", "scale"]
     done = subprocess.run(
-        [*cmd, "--prefill", "0", "--decode", "0", "--mixed", "1"],
+        [*cmd, "--address", server.ray_address, "--prefill", "0", "--decode", "0", "--mixed", "1"],
         capture_output=True,
         text=True,
         env=address_env,
