@@ -63,6 +63,10 @@ class Side:
     def set_layers_per_message(self, n: int) -> None:
         self.transport.layers_per_message = n
 
+    def set_fused_copy(self, fused: bool) -> bool:
+        self.transport.fused_copy = fused
+        return self.transport._fused is not None  # the kernels compiled
+
     def expect(self, rid: str, block_ids: list[int], start: int, num_tokens: int) -> bytes:
         ticket = self.transport.make_ticket(rid, block_ids, start, num_tokens, NUM_LAYERS)
         self.transport.expect(ticket)
@@ -132,8 +136,8 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
 RemoteSide = ray.remote(num_gpus=0, max_concurrency=4)(Side)
 
 
-def _side(device: int, block_size: int, seed: int):
-    return RemoteSide.remote(device, block_size, seed)
+def _side(device: int, block_size: int, seed: int, num_blocks: int = 300):
+    return RemoteSide.remote(device, block_size, seed, num_blocks)
 
 
 def _connect(sender, receiver) -> None:
@@ -165,17 +169,20 @@ def _assert_arrived(sender, receiver, src, dst, start, num_tokens):
     assert torch.equal(sent, got)
 
 
+@pytest.mark.parametrize("copy", ["fused", "torch"])
 @pytest.mark.parametrize("layers_per_message", [1, 3])
 @pytest.mark.parametrize("direction", ["16->32", "32->16"])
-def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_per_message):
+def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_per_message, copy):
     sender, receiver = sides if direction == "16->32" else sides[::-1]
+    for side in sides:  # the fused gather / scatter kernels compile on both GPUs
+        assert ray.get(side.set_fused_copy.remote(copy == "fused"))
     big = direction == "32->16"  # the sender's blocks hold 32 tokens
     src = [5, 2, 9] if big else [5, 2, 9, 30, 17, 11]  # 96 tokens
     dst = [7, 40, 3, 12, 28, 1] if big else [7, 40, 3]
     ray.get(sender.set_layers_per_message.remote(layers_per_message))
     ray.get(receiver.clear.remote(dst, 20, 90))  # earlier cases sent the same bytes here
     before = ray.get(receiver.snapshot.remote())
-    rid = f"ident-{direction}-{layers_per_message}"
+    rid = f"ident-{direction}-{layers_per_message}-{copy}"
     _hand_off(sender, receiver, rid, src, dst, start=20, num_tokens=90)
     ((_, side, ok, error, first),) = ray.get(receiver.events.remote())
     assert ok and side == "recv" and first == 7, error
@@ -192,6 +199,8 @@ def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_p
     assert not torch.equal(before[:, :, written], after[:, :, written])
     assert ray.get(sender.in_flight.remote()) == 0 and ray.get(receiver.in_flight.remote()) == 0
     ray.get(sender.set_layers_per_message.remote(1))
+    for side in sides:
+        ray.get(side.set_fused_copy.remote(True))
 
 
 def test_many_transfers_in_a_row_stay_ordered(sides):
@@ -240,19 +249,17 @@ def test_sender_cancel_fails_the_receiver_and_the_pair_stays_in_step(sides):
 
 
 def test_dead_receiver_fails_the_sender_without_a_stuck_send(sides):
-    sender, _ = sides
-    doomed = _side(1, block_size=32, seed=3)
+    sender = _side(0, block_size=16, seed=6, num_blocks=2100)
+    doomed = _side(1, block_size=32, seed=3, num_blocks=1100)
     _connect(sender, doomed)
-    # 4096 tokens in one 16.8 MB message: more than NCCL buffers without a live receiver.
-    ticket = ray.get(doomed.expect.remote("dr", list(range(1, 129)), 0, 4096))
-    ray.get(sender.set_layers_per_message.remote(NUM_LAYERS))
-    # The send waits behind a busy compute stream while the receiver dies.
-    ray.get(sender.send.remote(ticket, list(range(1, 257)), finish=False, stall=STALL_CYCLES))
+    # 32768 tokens, 33.6 MB a layer: more than NCCL buffers without a live receiver.
+    ticket = ray.get(doomed.expect.remote("dr", list(range(1, 1025)), 0, 32768))
+    # The sends wait behind a busy compute stream while the receiver dies.
+    ray.get(sender.send.remote(ticket, list(range(1, 2049)), finish=False, stall=STALL_CYCLES))
     ray.kill(doomed)
     ((rid, _, ok, error, _),) = ray.get(sender.events.remote())
     assert rid == "dr" and not ok and ("went away" in error or "failed" in error), error
     assert ray.get(sender.gpu_drains.remote(30.0))  # the communicator was aborted
-    ray.get(sender.set_layers_per_message.remote(1))
     # A new receiver gets a new communicator.
     fresh = _side(1, block_size=32, seed=4)
     _connect(sender, fresh)
@@ -261,6 +268,7 @@ def test_dead_receiver_fails_the_sender_without_a_stuck_send(sides):
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]
     _assert_arrived(sender, fresh, [7, 8], [9], 0, 32)
     ray.kill(fresh)
+    ray.kill(sender)
 
 
 def test_dead_sender_fails_the_receiver_without_a_stuck_recv(sides):

@@ -1,0 +1,501 @@
+"""KV hand-off between two GPUs through the NCCL transport, against raw NCCL send/recv.
+
+    python benchmarks/kv_transfer.py [--tokens 4096] [--repeat 10] [--json [PATH]]
+
+Two Ray actors, one GPU each (each sees only its own, as a Serve replica does;
+--all-gpus-visible for both), hold a Qwen3-8B-shaped KV cache (36 layers,
+8 KV heads, head dim 128, bf16): block size 16 on the sender, 32 on the
+receiver, the prompt's blocks drawn at random from a cache four times its size.
+One hand-off moves every layer of a --tokens prompt (4096: 36 x 16.8 MB), all
+layers ready at the start (the catch-up case; in serving each layer waits for
+its compute).
+
+- transport: from just before the first ``send_layer`` (sender) to the moment
+  the receiver's transport has the last layer scattered into its blocks
+  (``_finish_incoming``, receiver). Both actors read the host's monotonic
+  clock. Effective GB/s counts gather, send, receive and scatter. Rows for
+  several ``layers_per_message`` m (1 = per layer; more = coalesced, in
+  messages of 1, 2, 4, ... up to m layers).
+- raw NCCL (the baseline, same actors, same run): send/recv of the same bytes
+  between preallocated buffers, the receives posted first; one message of all
+  the bytes, and the transport's message pattern.
+- gather / scatter alone: the transport's index_select / index_copy_ kernels
+  for all layers on one GPU, without any transfer.
+- cpu: the CPU transport (bytes in the TCP frames) on a --cpu-tokens prompt.
+
+Each figure is the median of --repeat runs after --warmup runs. The last run of
+each mode goes into zeroed receiver slots and its KV is checked against the
+sender's (a checksum per layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import json
+import math
+import os
+import platform
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+from statistics import median
+
+import ray
+import torch
+
+from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+from splitserve.workers.kv_transfer.cpu_transport import CpuKVTransport
+from splitserve.workers.kv_transfer.nccl_transport import (
+    NcclKVTransport,
+    communicator,
+    message_layers,
+    unique_id,
+)
+from splitserve.workers.kv_transfer.ticket import TransferDone, TransferTicket, token_slots
+
+LAYERS, HEADS, DIM = 36, 8, 128  # Qwen3-8B
+DTYPE = torch.bfloat16
+DEFAULT_JSON = "docs/perf/kv_transfer_nccl.json"
+
+
+class _Stamp:
+    """Records when a transfer's KV is in place on the receiver: the end of a timed span."""
+
+    def __init__(self, *args, **kwargs):
+        self.arrived: dict[str, float] = {}
+        super().__init__(*args, **kwargs)
+
+    def _finish_incoming(self, inc) -> None:
+        super()._finish_incoming(inc)
+        torch.cuda.synchronize(self.device)  # the CPU transport scatters on the default stream
+        self.arrived[inc.ticket.request_id] = time.perf_counter()
+
+
+class StampedNccl(_Stamp, NcclKVTransport):
+    pass
+
+
+class StampedCpu(_Stamp, CpuKVTransport):
+    pass
+
+
+class Worker:
+    """One side: a KV cache on the actor's GPU, both transports, and raw NCCL buffers."""
+
+    def __init__(
+        self, role: str, block_size: int, tokens: int, cpu_tokens: int, seed: int, device: str
+    ):
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        self.device = torch.device(device)
+        self.tokens = tokens
+        need = math.ceil(tokens / block_size)
+        spec = KVCacheSpec(LAYERS, HEADS, DIM, block_size, DTYPE)
+        self.cache = KVCache(spec, 4 * need + 1, self.device)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for t in self.cache.k + self.cache.v:
+            t[1:] = torch.randn(t[1:].shape, generator=gen, device=self.device).to(DTYPE)
+        self.blocks = random.Random(seed).sample(range(1, self.cache.num_blocks), need)
+        self.peer = None
+        self.transports = {
+            "nccl": StampedNccl(self.cache, owner=role, rendezvous=self._rendezvous),
+            "cpu": StampedCpu(self.cache, owner=role),
+        }
+        self.cpu_tokens = cpu_tokens
+        self.raw = None
+
+    # ---- set-up --------------------------------------------------------------
+
+    def set_peer(self, peer) -> None:
+        self.peer = peer
+
+    def _rendezvous(self, ticket: TransferTicket, pair_key: str, unique_id: bytes) -> None:
+        ray.get(self.peer.join.remote(pair_key, unique_id))
+
+    def join(self, pair_key: str, unique_id: bytes) -> None:
+        self.transports["nccl"].join(pair_key, unique_id)
+
+    def set_layers_per_message(self, n: int) -> None:
+        self.transports["nccl"].layers_per_message = n
+
+    def watchdog(self, seconds: float) -> None:
+        faulthandler.dump_traceback_later(seconds, exit=False)
+
+    # ---- one hand-off --------------------------------------------------------
+
+    def num_tokens(self, kind: str) -> int:
+        return self.cpu_tokens if kind == "cpu" else self.tokens
+
+    def expect(self, kind: str, rid: str) -> bytes:
+        t = self.transports[kind]
+        ticket = t.make_ticket(rid, self.blocks, 0, self.num_tokens(kind), LAYERS)
+        t.expect(ticket)
+        return ticket.pack()
+
+    def send(self, kind: str, ticket: bytes) -> float:
+        """Send every layer; return the sender's clock just before the first layer."""
+        t, ticket = self.transports[kind], TransferTicket.unpack(ticket)
+        t.start_send(ticket, self.blocks)
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for layer in range(LAYERS):
+            t.send_layer(ticket.request_id, layer)
+        t.finish_send(ticket.request_id, TransferDone(ticket.request_id, 1))
+        return start
+
+    def finished(
+        self, kind: str, rid: str, timeout: float = 60.0
+    ) -> tuple[bool, str | None, float]:
+        """Wait for the transfer's event; (ok, error, receiver clock when the KV was in place)."""
+        t, deadline = self.transports[kind], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in t.poll():
+                if e.request_id == rid:
+                    return e.ok, e.error, t.arrived.get(rid, float("nan"))
+            time.sleep(0.0005)
+        return False, "no event", float("nan")
+
+    # ---- checks --------------------------------------------------------------
+
+    def _slots(self, tokens: int) -> torch.Tensor:
+        return token_slots(self.blocks, self.cache.block_size, 0, tokens).to(self.device)
+
+    def checksums(self, tokens: int) -> list[int]:
+        """Per layer, a position-weighted sum of the prompt's K and V bits."""
+        slots, sums = self._slots(tokens), []
+        for k, v in zip(self.cache.k, self.cache.v):
+            x = torch.stack((_flat(k)[slots], _flat(v)[slots])).view(torch.int16).flatten()
+            w = torch.arange(x.numel(), device=self.device) % 65521 + 1
+            sums.append(int((x.to(torch.int64) * w).sum()))
+        return sums
+
+    def clear(self, tokens: int) -> None:
+        slots = self._slots(tokens)
+        for k, v in zip(self.cache.k, self.cache.v):
+            _flat(k)[slots] = 0
+            _flat(v)[slots] = 0
+        torch.cuda.synchronize(self.device)
+
+    # ---- gather / scatter alone ----------------------------------------------
+
+    def copy_alone_ms(self, op: str, fused: bool, repeat: int = 5) -> float:
+        """GPU time of the transport's gather (or scatter) of every layer, no transfer."""
+        t = self.transports["nccl"]
+        if fused and t._fused is None:
+            return float("nan")  # the kernels did not compile here
+        slots, layers = self._slots(self.tokens), list(range(LAYERS))
+        buf = torch.empty((LAYERS, 2, self.tokens, HEADS, DIM), dtype=DTYPE, device=self.device)
+        copy = t.gather if op == "gather" else t.scatter
+        t.fused_copy, times = fused, []
+        with torch.cuda.device(self.device):  # the events go on this device's stream
+            for _ in range(repeat + 2):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                copy(layers, slots, buf)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        t.fused_copy = True
+        return median(times[2:])
+
+    def set_fused_copy(self, fused: bool) -> None:
+        self.transports["nccl"].fused_copy = fused
+
+    # ---- raw NCCL --------------------------------------------------------------
+
+    def raw_connect(self, nbytes: int) -> None:
+        """Sender: a separate communicator with the peer, and a buffer of ``nbytes``."""
+        uid = unique_id()
+        joined = self.peer.raw_join.remote(uid, nbytes)
+        self._raw_setup(uid, 0, nbytes)
+        ray.get(joined)
+
+    def raw_join(self, uid: bytes, nbytes: int) -> None:
+        self._raw_setup(uid, 1, nbytes)
+
+    def _raw_setup(self, uid: bytes, rank: int, nbytes: int) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self.device.index):
+            self.raw = communicator(uid, rank)
+        self.raw_stream = torch.cuda.Stream(self.device)
+        self.raw_buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=self.device)
+        # NCCL connects a peer during the first send/recv, and both ranks must be in it:
+        # do that now, so a posted receive never waits on the CPU for the sender.
+        self._raw_ops([nbytes], send=rank == 0)
+        torch.cuda.synchronize(self.device)
+
+    def _raw_ops(self, sizes: list[int], send: bool) -> None:
+        from cupy.cuda import nccl
+
+        op = self.raw.send if send else self.raw.recv
+        offset, base = 0, self.raw_buf.data_ptr()
+        with torch.cuda.device(self.device):
+            for size in sizes:
+                peer = 1 if send else 0
+                op(base + offset, size, nccl.NCCL_UINT8, peer, self.raw_stream.cuda_stream)
+                offset += size
+
+    def raw_post(self, sizes: list[int]) -> None:
+        """Receiver: post the receives, and stamp the clock when they are done."""
+        self._raw_ops(sizes, send=False)
+        done = torch.cuda.Event()
+        done.record(self.raw_stream)
+
+        def stamp() -> None:
+            while not done.query():
+                time.sleep(0)
+            self.raw_done_at = time.perf_counter()
+
+        self.raw_waiter = threading.Thread(target=stamp, daemon=True)
+        self.raw_waiter.start()
+
+    def raw_send(self, sizes: list[int]) -> float:
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        self._raw_ops(sizes, send=True)
+        return start
+
+    def raw_finished(self) -> float:
+        self.raw_waiter.join()
+        return self.raw_done_at
+
+
+def _flat(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(-1, *cache.shape[2:])
+
+
+# ---- driver ----------------------------------------------------------------------
+
+
+def time_transport(sender, receiver, kind: str, tag: str, warmup: int, repeat: int):
+    """Median seconds of one hand-off, and whether the last one arrived intact."""
+    times = []
+    for i in range(warmup + repeat):
+        last = i == warmup + repeat - 1
+        if last:
+            ray.get(receiver.clear.remote(ray.get(receiver.num_tokens.remote(kind))))
+        rid = f"{tag}-{i}"
+        ticket = ray.get(receiver.expect.remote(kind, rid))
+        start = ray.get(sender.send.remote(kind, ticket))
+        ok, error, end = ray.get(receiver.finished.remote(kind, rid))
+        sent_ok, sent_error, _ = ray.get(sender.finished.remote(kind, rid))
+        if not (ok and sent_ok):
+            raise RuntimeError(f"{rid} failed: receiver {error!r}, sender {sent_error!r}")
+        if i >= warmup:
+            times.append(end - start)
+    tokens = ray.get(receiver.num_tokens.remote(kind))
+    intact = ray.get(sender.checksums.remote(tokens)) == ray.get(receiver.checksums.remote(tokens))
+    return median(times), intact
+
+
+def time_raw(sender, receiver, sizes: list[int], warmup: int, repeat: int) -> float:
+    times = []
+    for i in range(warmup + repeat):
+        ray.get(receiver.raw_post.remote(sizes))
+        start = ray.get(sender.raw_send.remote(sizes))
+        end = ray.get(receiver.raw_finished.remote())
+        if i >= warmup:
+            times.append(end - start)
+    return median(times)
+
+
+def _command() -> str:
+    """This run's command line, without the JSON path and the debugging options."""
+    words, argv, i = [], sys.argv[1:], 0
+    while i < len(argv):
+        word, has_value = argv[i], i + 1 < len(argv) and not argv[i + 1].startswith("--")
+        if word in ("--json", "--watchdog", "--label"):
+            if word == "--json":
+                words.append(word)
+            i += 2 if has_value else 1
+        else:
+            words.append(word)
+            i += 1
+    return " ".join(["python benchmarks/kv_transfer.py", *words])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--cpu-tokens", type=int, default=1024, help="0 skips the CPU transport")
+    ap.add_argument("--send-block-size", type=int, default=16)
+    ap.add_argument("--recv-block-size", type=int, default=32)
+    ap.add_argument("--layers-per-message", type=int, nargs="+", default=[1, 2, 4, 8, 12, 36])
+    ap.add_argument(
+        "--all-gpus-visible",
+        action="store_true",
+        help="actors ask Ray for no GPU, see both and use cuda:0 and cuda:1; by default "
+        "each asks for one GPU and sees only it, as a Serve replica does",
+    )
+    ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks after S seconds")
+    ap.add_argument("--label", default="", help="the machine, for the JSON (e.g. nvidia-h200-x2)")
+    ap.add_argument(
+        "--torch-copy-layers-per-message",
+        type=int,
+        nargs="*",
+        default=[1, 12],
+        help="rows with the torch gather/scatter instead of the fused kernels",
+    )
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument(
+        "--json", nargs="?", const=DEFAULT_JSON, help=f"write JSON (default path {DEFAULT_JSON})"
+    )
+    args = ap.parse_args()
+
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=False)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # actors inherit it
+    if args.all_gpus_visible:
+        os.environ["RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"] = "0"  # num_gpus=0 keeps GPUs visible
+    ray.init(include_dashboard=False, log_to_driver=True)
+    if ray.cluster_resources().get("GPU", 0) < 2:
+        raise SystemExit(f"needs 2 GPUs, Ray sees {ray.cluster_resources().get('GPU', 0)}")
+    remote = ray.remote(num_gpus=0 if args.all_gpus_visible else 1, max_concurrency=4)(Worker)
+    devices = ("cuda:0", "cuda:1") if args.all_gpus_visible else ("cuda:0", "cuda:0")
+    common = (args.tokens, args.cpu_tokens)
+    sender = remote.remote("prefill", args.send_block_size, *common, 1, devices[0])
+    receiver = remote.remote("decode", args.recv_block_size, *common, 2, devices[1])
+    ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
+    if args.watchdog:
+        ray.get([sender.watchdog.remote(args.watchdog), receiver.watchdog.remote(args.watchdog)])
+    print("actors ready", flush=True)
+
+    elem = torch.empty((), dtype=DTYPE).element_size()
+    layer_bytes = 2 * args.tokens * HEADS * DIM * elem
+    total = LAYERS * layer_bytes
+    ray.get(sender.raw_connect.remote(total))
+    print("raw NCCL communicator ready", flush=True)
+    w, r = args.warmup, args.repeat
+    raw_one = time_raw(sender, receiver, [total], w, r)
+    print(f"raw NCCL, one message: {raw_one * 1e3:.3f} ms", flush=True)
+    alone = {
+        (op, copy): ray.get(side.copy_alone_ms.remote(op, copy == "fused"))
+        for op, side in (("gather", sender), ("scatter", receiver))
+        for copy in ("fused", "torch")
+    }
+
+    rows = []
+    modes = [(m, "fused") for m in args.layers_per_message]
+    modes += [(m, "torch") for m in args.torch_copy_layers_per_message]
+    for m, copy in modes:
+        ray.get(sender.set_layers_per_message.remote(m))
+        ray.get([side.set_fused_copy.remote(copy == "fused") for side in (sender, receiver)])
+        sizes, sent = [], 0
+        while sent < LAYERS:  # the transport's message pattern
+            sizes.append(message_layers(m, sent, LAYERS - sent) * layer_bytes)
+            sent += sizes[-1] // layer_bytes
+        seconds, intact = time_transport(sender, receiver, "nccl", f"nccl-m{m}-{copy}", w, r)
+        raw_same = time_raw(sender, receiver, sizes, w, r)
+        print(f"m={m} {copy}: {seconds * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms", flush=True)
+        rows.append(
+            {
+                "transport": "nccl",
+                "copy": copy,
+                "layers_per_message": m,
+                "messages": len(sizes),
+                "max_message_mb": round(max(sizes) / 1e6, 1),
+                "tokens": args.tokens,
+                "bytes": total,
+                "median_ms": round(seconds * 1e3, 3),
+                "effective_gbps": round(total / seconds / 1e9, 1),
+                "raw_same_messages_gbps": round(total / raw_same / 1e9, 1),
+                "raw_one_message_gbps": round(total / raw_one / 1e9, 1),
+                "ratio_to_raw": round(raw_one / seconds, 3),
+                "intact": intact,
+            }
+        )
+    if args.cpu_tokens:
+        cpu_bytes = LAYERS * 2 * args.cpu_tokens * HEADS * DIM * elem
+        seconds, intact = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
+        rows.append(
+            {
+                "transport": "cpu",
+                "copy": "torch",
+                "layers_per_message": 1,
+                "messages": LAYERS,
+                "max_message_mb": round(cpu_bytes / LAYERS / 1e6, 1),
+                "tokens": args.cpu_tokens,
+                "bytes": cpu_bytes,
+                "median_ms": round(seconds * 1e3, 3),
+                "effective_gbps": round(cpu_bytes / seconds / 1e9, 2),
+                "raw_same_messages_gbps": None,
+                "raw_one_message_gbps": round(total / raw_one / 1e9, 1),
+                "ratio_to_raw": round(cpu_bytes / seconds / (total / raw_one), 4),
+                "intact": intact,
+            }
+        )
+
+    print(
+        f"\nKV hand-off, {LAYERS} layers x {HEADS} KV heads x {DIM} dim, bf16, block size "
+        f"{args.send_block_size} -> {args.recv_block_size}, median of {r}"
+    )
+    print(
+        f"raw NCCL, one message of {total / 1e6:.1f} MB: {total / raw_one / 1e9:.1f} GB/s "
+        f"({raw_one * 1e3:.3f} ms)"
+    )
+    for (op, copy), ms in alone.items():
+        print(f"{op} alone, all layers, {copy}: {ms:.3f} ms ({total / ms / 1e6:.0f} GB/s each way)")
+    print()
+    head = (
+        f"{'transport':<9} {'copy':<5} {'layers/msg':>10} {'msgs':>4} {'max MB':>7} "
+        f"{'tokens':>6} {'MB':>7} {'ms':>8} {'GB/s':>7} {'raw same':>8} {'raw one':>8} "
+        f"{'ratio':>6} {'intact':>6}"
+    )
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        same = row["raw_same_messages_gbps"]
+        print(
+            f"{row['transport']:<9} {row['copy']:<5} {row['layers_per_message']:>10} "
+            f"{row['messages']:>4} {row['max_message_mb']:>7.1f} {row['tokens']:>6} "
+            f"{row['bytes'] / 1e6:>7.1f} "
+            f"{row['median_ms']:>8.3f} {row['effective_gbps']:>7.1f} "
+            f"{'-' if same is None else f'{same:.1f}':>8} {row['raw_one_message_gbps']:>8.1f} "
+            f"{row['ratio_to_raw']:>6.3f} {str(row['intact']):>6}"
+        )
+
+    if args.json:
+        import cupy
+        from cupy.cuda import nccl
+
+        result = {
+            "benchmark": "kv_transfer",
+            "command": _command(),
+            "device_kind": args.label,
+            "date": datetime.date.today().isoformat(),
+            "device": f"2 x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "",
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "cupy": cupy.__version__,
+                "nccl": nccl.get_version(),
+                "ray": ray.__version__,
+            },
+            "config": {
+                "layers": LAYERS,
+                "kv_heads": HEADS,
+                "head_dim": DIM,
+                "dtype": "bfloat16",
+                "send_block_size": args.send_block_size,
+                "recv_block_size": args.recv_block_size,
+                "warmup": w,
+                "repeat": r,
+            },
+            "raw_one_message_ms": round(raw_one * 1e3, 3),
+            "copy_alone_ms": {f"{op}_{copy}": round(ms, 3) for (op, copy), ms in alone.items()},
+            "rows": rows,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
