@@ -18,20 +18,27 @@ Making a pair (the first ``start_send`` from a sender to a receiver)::
 
 Moving layers (each pair has an NCCL stream and a copy stream, on both sides)::
 
-    sender    copy stream waits on the compute stream, gathers the layer's tokens
-              ([2, tokens, heads, head_dim], K then V) into a staging buffer;
-              the header frames go out; the NCCL stream waits for the gather, sends
+    sender    per message: the copy stream waits on the compute stream and one
+              kernel gathers the message's layers ([layers, 2, tokens, heads,
+              head_dim], K then V) into a staging buffer; the header frames go
+              out; the NCCL stream waits for the gather and sends
     receiver  on the message's first header: the NCCL stream receives into a
-              staging buffer, the copy stream scatters it into the ticket's slots
+              staging buffer, then one kernel on the copy stream scatters it
+              into the ticket's slots
 
-The compute stream never waits for the transport, so layers move while later
-layers compute. ``layers_per_message`` > 1 coalesces up to that many layers into
-one NCCL message (fewer, larger messages run nearer the link's peak; worth it
-when many layers are ready at once, not when each layer waits for its compute):
-a transfer's messages hold 1, 2, 4, ... layers up to that cap, so its first send
-starts at once. The first header of a message carries ``chunk`` (its layer ids)
-and ``nbytes``, the others carry no data. Headers of a cancelled or unknown request still receive
-(into scratch), so every send finds its receive and the pair stays in step.
+Streams are per pair, not per transport: a receive waiting for its sender must
+not hold up another pair's (two senders and two receivers sharing one stream
+each could wait on each other for ever). The compute stream never waits for
+the transport, so layers move while later layers compute.
+
+``layers_per_message`` > 1 coalesces up to that many layers into one NCCL
+message (fewer, larger messages run nearer the link's peak; worth it when many
+layers are ready at once, not when each layer waits for its compute): a
+transfer's messages hold 1, 2, 4, ... layers up to that cap, so its first send
+starts at once. The first header of a message carries ``chunk`` (its layer
+ids) and ``nbytes``; the others carry no data. Headers of a cancelled or
+unknown request still receive (into scratch), so every send finds its receive
+and the pair stays in step.
 
 Staging buffers come from the caching allocator: each is allocated on the
 stream that writes it and ``record_stream``-ed on the one that reads it, so
