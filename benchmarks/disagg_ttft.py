@@ -107,7 +107,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="write docs/perf/disagg_ttft.json")
     args = p.parse_args()
     ray.init(log_to_driver=True)
-    decode = ray.remote(num_gpus=1)(Decode).remote(args)
+    decode = ray.remote(num_gpus=1, max_concurrency=4)(Decode).remote(args)  # join runs beside
     prefill = ray.remote(num_gpus=1)(Prefill).remote(args, decode)
     g = torch.Generator().manual_seed(0)
     alone, disagg = [], []
