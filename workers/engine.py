@@ -210,6 +210,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         outputs = self._handle_transfers()
+        if any(o.new_token_ids for o in outputs):
+            return outputs  # first tokens that arrived go out now, not after a forward
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
         if batch.is_empty:
