@@ -13,6 +13,7 @@ changes the pool sizes, and redeploys; Ray Serve resizes the pools in place.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import threading
@@ -96,6 +97,7 @@ def serve_main(args: argparse.Namespace) -> int:
     finally:
         print("splitserve: shutting down", flush=True)
         serve.delete(config.app_name)
+        _remove_stats_board(config.app_name)
         if started_ray:
             serve.shutdown()
             ray.shutdown()
@@ -120,6 +122,15 @@ def scale_main(args: argparse.Namespace) -> int:
     )
     print(f"splitserve: pools are now {sizes}", flush=True)
     return 0
+
+
+def _remove_stats_board(namespace: str) -> None:
+    import ray
+
+    from splitserve.cluster.stats_board import BOARD_NAME
+
+    with contextlib.suppress(ValueError):  # ValueError: it was never created
+        ray.kill(ray.get_actor(BOARD_NAME, namespace=namespace))
 
 
 def _wait_for_signal() -> None:
