@@ -221,6 +221,20 @@ def test_full_size_shape_preset_loads_its_config():
     assert config.head_dim == 128 and config.hidden_size == 4096
 
 
+def test_dummy_weights_are_drawn_on_the_device_and_seeded():
+    config, _ = load_hf_config("qwen3-tiny")
+    first = load_model(config, None, torch.float32, "cpu", seed=3, load_format="dummy")
+    again = load_model(config, None, torch.float32, "cpu", seed=3, load_format="dummy")
+    other = load_model(config, None, torch.float32, "cpu", seed=4, load_format="dummy")
+    portable = load_model(config, None, torch.float32, "cpu", seed=3)
+    emb = first.model.embed_tokens.weight
+    assert abs(float(emb.std()) - 0.02) < 0.002
+    assert torch.equal(emb, again.model.embed_tokens.weight)
+    assert not torch.equal(emb, other.model.embed_tokens.weight)
+    assert not torch.equal(emb, portable.model.embed_tokens.weight)  # not the preset's init
+    assert torch.equal(first.model.norm.weight, torch.ones_like(first.model.norm.weight))
+
+
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_preset_random_init_is_deterministic(preset):
     config, path = load_hf_config(preset)

@@ -143,7 +143,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if id(tensor) in norms:
             tensor.data.fill_(1.0)
             continue
-        gen = torch.Generator(tensor.device).manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+        # 32 bits: the CPU generator ignores higher seed bits.
+        gen = torch.Generator(tensor.device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
         tensor.data.normal_(0.0, INIT_STD, generator=gen)
         if name.endswith("e_score_correction_bias"):
             tensor.data.abs_().clamp_(max=0.1)
