@@ -137,6 +137,24 @@ def test_disaggregated_tokens_and_kv_match_a_mixed_engine(pair, checkpoint):
     assert prefill.kv_transport.num_in_flight == 0 and decode.kv_transport.num_in_flight == 0
 
 
+def test_first_token_is_returned_before_the_decode_forward(pair):
+    prefill, decode = pair
+    (prompt,) = _prompts(1, length=21, seed=4)
+    decode.add_remote_request("f", prompt, GREEDY)
+    (out,) = decode.step()
+    prefill.add_request("f", prompt, GREEDY, kv_ticket=out.kv_ticket)
+    while prefill.step() == [] and prefill.has_unfinished_requests():
+        pass
+    deadline, outs = time.monotonic() + 10, []
+    while not outs and time.monotonic() < deadline:
+        outs = decode.step()
+    (first,) = outs
+    assert len(first.new_token_ids) == 1
+    # The step handed the first token out without computing its KV yet.
+    assert decode.scheduler.get_request("f").num_computed_tokens == len(prompt)
+    decode.abort_request("f")
+
+
 def test_decode_prefix_hit_moves_only_the_suffix(pair):
     prefill, decode = pair
     (prompt,) = _prompts(1, length=26, seed=5)

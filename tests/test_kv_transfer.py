@@ -86,6 +86,18 @@ def test_kv_arrives_byte_identical_across_block_sizes(pair):
     assert sender.num_in_flight == 0 and receiver.num_in_flight == 0
 
 
+def test_events_wake_the_owner_without_polling(pair):
+    import threading
+
+    sender, receiver = pair
+    woke = threading.Event()
+    receiver.notify = woke.set
+    _hand_off(sender, receiver, "n1", [1], [1, 2], 0, 6)
+    assert woke.wait(5.0)  # set by the transport thread, before anyone polled
+    (event,) = receiver.poll()
+    assert event.ok and event.done.first_token == 7
+
+
 def test_many_transfers_to_one_peer_stay_ordered(pair):
     sender, receiver = pair
     for i in range(8):

@@ -146,11 +146,42 @@ def test_step_outputs_stream_deltas_and_count_tokens(llm):
         assert all(lp.logprob <= 0 for lp in final.logprobs)
 
 
+def test_delta_outputs_carry_only_what_is_new(llm):
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.workers.engine import LLMEngine
+
+    config = EngineConfig(
+        device="cpu",
+        cache=CacheConfig(num_kv_blocks=64),
+        scheduler=SchedulerConfig(max_model_len=64),
+    )
+    params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, logprobs=2)
+    full, delta = LLMEngine(config), LLMEngine(config, delta_outputs=True)
+    for engine in (full, delta):
+        engine.add_request("d", [5, 6, 7, 8], params)
+    text, tokens, logprobs, last = "", [], [], None
+    while delta.has_unfinished_requests():
+        for out in delta.step():
+            completion = out.outputs[0]
+            assert completion.token_ids == out.new_token_ids and completion.text == out.new_text
+            assert out.prompt_token_ids == []  # the stream's caller has the prompt
+            text, tokens = text + completion.text, tokens + completion.token_ids
+            logprobs += completion.logprobs
+    while full.has_unfinished_requests():
+        last = full.step()[-1]
+    assert tokens == last.outputs[0].token_ids and text == last.outputs[0].text
+    assert [lp.token_id for lp in logprobs] == [lp.token_id for lp in last.outputs[0].logprobs]
+
+
 def test_engine_settings_that_cannot_work_are_named():
     from splitserve.config import EngineConfig
 
     with pytest.raises(ValueError, match="unknown config key 'cache.blok_size'"):
         EngineConfig.from_dict({"cache": {"blok_size": 8}})
+    with pytest.raises(ValueError, match="config section 'scheduler' must be a mapping"):
+        EngineConfig.from_dict({"scheduler": 3})
+    with pytest.raises(ValueError, match="invalid load_format='pt': must be auto or dummy"):
+        EngineConfig(load_format="pt")
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=4096"):
         LLM("qwen3-tiny", max_model_len=5000)
     with pytest.raises(ValueError, match="needs 33"):

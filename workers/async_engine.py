@@ -18,8 +18,9 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 from splitserve.config import EngineConfig
 from splitserve.errors import InvalidRequestError
@@ -30,8 +31,8 @@ from splitserve.workers.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.05  # nothing to do: wait this long for a command
-TRANSFER_POLL_S = 0.0005  # only transfers in flight: poll them this often
+IDLE_WAIT_S = 0.05  # nothing runnable: wait this long for a command or a transfer event
+STATS_PERIOD_S = 0.05  # how often the loop refreshes ``stats``
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,16 @@ class WorkerStats:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, **transport_options):
-        self.engine = LLMEngine(config, **transport_options)
+        self.engine = LLMEngine(config, delta_outputs=True, **transport_options)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self.error: BaseException | None = None  # set if the loop thread died
+        if self.engine.kv_transport is not None:
+            self.engine.kv_transport.notify = self._wakeup.set
         self.stats = self._collect_stats()
+        self._stats_time = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -133,12 +137,12 @@ class AsyncEngine:
                 engine = self.engine
                 if engine.has_unfinished_requests():  # a step also polls the transfers
                     for output in engine.step():
-                        self._emit(output.request_id, _delta(output))
-                    if not engine.has_runnable_requests():
-                        self._wait(TRANSFER_POLL_S)  # only hand-offs in flight
-                else:
-                    self._wait(IDLE_WAIT_S)
-                self.stats = self._collect_stats()
+                        self._emit(output.request_id, output)
+                if not engine.has_runnable_requests():
+                    self._wait(IDLE_WAIT_S)  # a command or a transfer event wakes it
+                if time.monotonic() - self._stats_time >= STATS_PERIOD_S:
+                    self.stats = self._collect_stats()
+                    self._stats_time = time.monotonic()
         except BaseException as e:  # the replica's health check reports it
             logger.exception("engine loop died")
             self.error = e
@@ -208,15 +212,3 @@ class AsyncEngine:
             kv_transfer_bytes=transport.bytes_sent if transport else 0,
             kv_transfer_seconds=transport.seconds_sending if transport else 0.0,
         )
-
-
-def _delta(output: RequestOutput) -> RequestOutput:
-    """The output with only this step's text, tokens and logprobs (what travels)."""
-    completion = output.outputs[0]
-    n = len(output.new_token_ids)
-    logprobs = completion.logprobs[len(completion.logprobs) - n :] if completion.logprobs else None
-    if completion.logprobs is not None and logprobs is None:
-        logprobs = []
-    delta = replace(completion, text=output.new_text, token_ids=list(output.new_token_ids))
-    delta.logprobs = logprobs
-    return replace(output, outputs=[delta], prompt_token_ids=[], prompt=None)

@@ -51,8 +51,11 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, **transport_options):
-        """``transport_options`` go to the KV transport (``owner``, NCCL's ``rendezvous``)."""
+    def __init__(self, config: EngineConfig, delta_outputs: bool = False, **transport_options):
+        """``delta_outputs``: each output holds only what is new (for streams).
+
+        ``transport_options`` go to the KV transport (``owner``, NCCL's ``rendezvous``).
+        """
         self.config = config
         self.role = config.role
         self.device = resolve_device(config.device)
@@ -79,7 +82,9 @@ class LLMEngine:
         self.sampler = Sampler(self.tokenizer, seed=config.seed)
         backend = make_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(model, self.kv_cache, backend, self.sampler, self.device)
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.max_model_len, delta=delta_outputs
+        )
         self.last_step = StepStats()
         self.num_preemptions = 0
         self.num_transfer_layers = self.hf_config.num_hidden_layers  # MTP layers stay local

@@ -28,9 +28,10 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, max_model_len: int):
+    def __init__(self, tokenizer, max_model_len: int, delta: bool = False):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.delta = delta  # outputs carry only what is new (see make_output)
 
     def start(self, request: Request, prompt: str | None) -> None:
         request.output = RequestState(
@@ -70,22 +71,30 @@ class OutputProcessor:
         return None
 
     def make_output(self, request: Request) -> RequestOutput:
+        """The request's output so far; with ``delta`` only what is new since the last one.
+
+        A delta output's ``outputs[0]`` holds the new text, token ids and logprobs
+        and leaves the prompt out (the caller has it): what a stream sends per step.
+        """
         state: RequestState = request.output
         new_text = state.text[state.sent_text_len :]
         new_tokens = request.output_token_ids[state.sent_token_len :]
         state.sent_text_len, state.sent_token_len = len(state.text), len(request.output_token_ids)
+        logprobs = state.logprobs
+        if self.delta and logprobs is not None:
+            logprobs = logprobs[len(logprobs) - len(new_tokens) :]
         completion = CompletionOutput(
             index=0,
-            text=state.text,
-            token_ids=list(request.output_token_ids),
+            text=new_text if self.delta else state.text,
+            token_ids=new_tokens if self.delta else list(request.output_token_ids),
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
-            logprobs=state.logprobs,
+            logprobs=logprobs,
         )
         return RequestOutput(
             request_id=request.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt=None if self.delta else state.prompt,
+            prompt_token_ids=[] if self.delta else request.prompt_token_ids,
             outputs=[completion],
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_tokens,

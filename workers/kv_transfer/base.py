@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -126,6 +127,9 @@ class KVTransport(ABC):
         self._peers: dict[str, Peer] = {}  # outgoing, by address
         self._accepted: list[Connection] = []  # incoming
         self._events: list[TransferEvent] = []
+        # Called (from a transport thread) when an event is ready for poll(), so an
+        # idle engine loop can wake at once instead of polling.
+        self.notify: Callable[[], None] | None = None
         self._closed = False
         # Finished sends, for metrics: count, bytes, seconds from start to ack.
         self.num_sent = 0
@@ -327,7 +331,7 @@ class KVTransport(ABC):
                 self.num_sent += 1
                 self.bytes_sent += self.transfer_bytes(out.ticket)
                 self.seconds_sending += time.monotonic() - out.started
-            self._events.append(TransferEvent(rid, "send", header["ok"], header.get("error")))
+            self._add_event(TransferEvent(rid, "send", header["ok"], header.get("error")))
 
     def transfer_bytes(self, ticket: TransferTicket) -> int:
         spec = self.kv_cache.spec
@@ -407,7 +411,7 @@ class KVTransport(ABC):
                 self._finish_incoming(inc)
                 top = [tuple(t) for t in header["top_logprobs"]]
                 done = TransferDone(rid, header["first_token"], header["logprob"], top)
-                self._events.append(TransferEvent(rid, "recv", True, done=done))
+                self._add_event(TransferEvent(rid, "recv", True, done=done))
         conn.send(ack)
 
     def _on_cancel(self, request_id: str) -> None:
@@ -424,4 +428,10 @@ class KVTransport(ABC):
         if isinstance(t, Incoming):
             self._release_incoming(t)
         logger.warning("KV transfer of %s failed: %s", request_id, error)
-        self._events.append(TransferEvent(request_id, side, False, error))
+        self._add_event(TransferEvent(request_id, side, False, error))
+
+    def _add_event(self, event: TransferEvent) -> None:
+        """Queue an event for poll(); caller holds the lock."""
+        self._events.append(event)
+        if self.notify is not None:
+            self.notify()
