@@ -204,16 +204,12 @@ class OpenAIIngress:
         finally:
             self.metrics.requests.labels(routes[-1], outcome).inc()
 
-    async def _attempt(self, routes: list[str], rid, prompt_ids, params) -> AsyncIterator:
+    def _attempt(self, routes: list[str], rid, prompt_ids, params) -> AsyncIterator:
+        """One try along the first route; the decode worker may append the route it took."""
         request = {"request_id": rid, "prompt_token_ids": prompt_ids, "params": asdict(params)}
-        route = routes[0]
-        if route == router.DISAGGREGATED:
-            stream = self._disaggregated(request, routes)
-        else:
-            pool = "mixed" if route == router.LOCAL_MIXED else "decode"
-            stream = self._local(pool, request)
-        async for output in stream:
-            yield output
+        if routes[0] == router.DISAGGREGATED:
+            return self._disaggregated(request, routes)
+        return self._local("mixed" if routes[0] == router.LOCAL_MIXED else "decode", request)
 
     async def _local(self, pool: str, request: dict) -> AsyncIterator[RequestOutput]:
         call = self.pools[pool].options(stream=True).generate.remote(request)
@@ -230,7 +226,7 @@ class OpenAIIngress:
             "local_prefix_ratio": self.config.router.local_prefix_hit_ratio,
         }
         decode = self.pools["decode"].options(stream=True).generate.remote(remote)
-        prefill_call, failure = None, []
+        prefill_call, watcher, failure = None, None, []
         try:
             async for item in guard(decode, "decode worker", failure):
                 if "route" in item:
@@ -239,10 +235,11 @@ class OpenAIIngress:
                     prefill_call = self.pools["prefill"].prefill.remote(
                         {**request, "kv_ticket": item["kv_ticket"]}
                     )
-                    asyncio.ensure_future(watch_prefill(prefill_call, decode, failure))
+                    watcher = asyncio.ensure_future(watch_prefill(prefill_call, decode, failure))
                 else:
                     yield output_of(item)
         finally:
             decode.cancel()
             if prefill_call is not None:
                 prefill_call.cancel()
+                watcher.cancel()

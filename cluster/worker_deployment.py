@@ -60,7 +60,7 @@ class EngineWorker:
             async for item in stream:
                 yield _wire(item)
         except InvalidRequestError as e:
-            yield {"error": str(e), "status": 400}
+            yield {"error": str(e)}  # the request was rejected: the ingress answers 400
         finally:
             await stream.aclose()
 
@@ -77,7 +77,7 @@ class EngineWorker:
                 if output.finished:
                     return {"ok": output.error is None, "error": output.error}
         except InvalidRequestError as e:
-            return {"ok": False, "error": str(e), "status": 400}
+            return {"ok": False, "error": str(e)}
         finally:
             await stream.aclose()
         return {"ok": False, "error": "the prefill ended without a result"}
@@ -89,9 +89,6 @@ class EngineWorker:
             None, transport.join, request["pair"], request["unique_id"]
         )
         return {"ok": True}
-
-    def stats(self) -> dict:
-        return {"worker": self.worker_id, "pool": self.pool, **self.engine.stats.as_dict()}
 
     def record_routing_stats(self) -> dict:
         return self.engine.stats.as_dict()

@@ -192,8 +192,10 @@ class Scheduler:
         return len(self.running) + len(self.reserved)
 
     def has_runnable_requests(self) -> bool:
-        """Whether ``schedule`` may find work (remote requests wait on their transfers)."""
-        return bool(self.waiting or self.running or self.waiting_for_blocks)
+        """Whether ``schedule`` may find work; remote requests wait on transfers or blocks,
+        which free up only when a step finishes something, a transfer ends or a request
+        is aborted."""
+        return bool(self.waiting or self.running)
 
     # ---- the step -----------------------------------------------------------
 
