@@ -1,0 +1,204 @@
+"""Shared measuring helpers of the GPU benchmarks: ceilings, timing, tables, reports.
+
+The ceilings are measured, not taken from a data sheet: ``copy_bandwidth_gbps``
+(a device-to-device copy, read + write bytes) is the floor's denominator for
+anything bandwidth-bound, ``gemm_tflops`` for anything compute-bound. Timings
+are medians of CUDA-event spans after warm-up, on random data.
+
+A benchmark run as a script (``python benchmarks/x.py``) has ``benchmarks/`` on
+its path and imports this module as ``roofline``; tests import it as
+``benchmarks.roofline``. Nothing runs at import, and the pure parts (tables,
+reports, slugs) need no GPU; matplotlib is imported only by ``plot_ratios``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from statistics import median
+
+import torch
+
+L2_FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100 50 MB, B200 126 MB)
+
+
+def time_cuda_ms(
+    fn: Callable[[], object], warmup: int = 5, repeat: int = 20, flush_l2: bool = False
+) -> float:
+    """Median milliseconds of one ``fn()``, from CUDA events around each call.
+
+    ``flush_l2`` overwrites a 256 MiB buffer before each timed call (outside the
+    span), so ``fn`` reads its inputs from memory, as a layer's weights and KV
+    are read in a real forward, rather than from a warm L2.
+    """
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    for _ in range(warmup):
+        fn()
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(repeat)
+    ]
+    torch.cuda.synchronize()
+    for start, end in events:
+        if flush is not None:
+            flush.fill_(1)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return median(start.elapsed_time(end) for start, end in events)
+
+
+def copy_bandwidth_gbps(device: torch.device | str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate in GB/s (1e9), counting read + write: ``2 * nbytes / time``."""
+    device = torch.device(device)
+    with torch.cuda.device(device):
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        ms = time_cuda_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e6
+
+
+def gemm_tflops(
+    device: torch.device | str,
+    m: int = 8192,
+    n: int = 8192,
+    k: int = 8192,
+    dtype: torch.dtype = torch.bfloat16,
+) -> float:
+    """Measured dense GEMM rate (``torch.matmul``) in TFLOP/s: ``2 * m * n * k / time``."""
+    device = torch.device(device)
+    with torch.cuda.device(device):
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        ms = time_cuda_ms(lambda: a @ b)
+    return 2 * m * n * k / ms / 1e9
+
+
+def environment(command: str) -> dict:
+    """Where and how a result was measured: device, versions, date, command."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    return {
+        "command": command,
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton_version,
+            "cuda": torch.version.cuda,
+        },
+    }
+
+
+def device_slug(name: str) -> str:
+    """A file-name form of a device name: ``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "unknown"
+
+
+def format_cell(value: object) -> str:
+    """A table cell: ``-`` for None, four significant digits for floats (no exponent above 1)."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table; columns of numbers (None allowed) are right-aligned."""
+    for row in rows:
+        if len(row) != len(columns):
+            raise ValueError(f"row {list(row)} has {len(row)} cells, the table {len(columns)}")
+    cells = [[format_cell(v) for v in row] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    numeric = [_is_numeric([r[i] for r in rows]) for i in range(len(columns))]
+
+    def line(values: Sequence[str]) -> str:
+        padded = (v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric))
+        return "| " + " | ".join(padded) + " |"
+
+    rule = (
+        "|"
+        + "|".join(("-" * (w + 1) + ":") if n else "-" * (w + 2) for w, n in zip(widths, numeric))
+        + "|"
+    )
+    return "\n".join([line(columns), rule, *(line(r) for r in cells)])
+
+
+def _is_numeric(values: list) -> bool:
+    present = [v for v in values if v is not None]
+    return bool(present) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in present
+    )
+
+
+def print_table(columns: list[str], rows: list[list]) -> None:
+    """Print ``format_table(columns, rows)`` to stdout."""
+    print(format_table(columns, rows), flush=True)
+
+
+def write_report(path: str | Path, payload: dict) -> None:
+    """Write ``payload`` as indented JSON, creating parent folders; NaN and inf become null."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def plot_ratios(
+    path: str | Path,
+    labels: Sequence[str],
+    ratios: Sequence[float],
+    title: str,
+    target: float | None = None,
+) -> None:
+    """A bar chart (PNG) of ratios to the floor, 1.0 marked, with an optional target line."""
+    if len(labels) != len(ratios):
+        raise ValueError(f"{len(labels)} labels for {len(ratios)} ratios")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(labels) + 2), 4.0))
+    values = [r if r is not None and math.isfinite(r) else 0.0 for r in ratios]
+    ax.bar(range(len(values)), values, color="tab:blue")
+    ax.axhline(1.0, color="black", linewidth=0.8, label="floor")
+    if target is not None:
+        ax.axhline(target, color="tab:red", linestyle="--", label=f"target {target:g}")
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right")
+    ax.set_ylabel("ratio to floor")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
