@@ -162,6 +162,20 @@ class BlockManager:
         request.block_ids.clear()
         self._hashed.pop(request.request_id, None)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (its KV is stale after a weight update).
+
+        Blocks that running requests hold stay theirs, unhashed. Returns the
+        number of cached blocks forgotten.
+        """
+        forgotten = len(self.hash_to_block_id)
+        for block_id in self.hash_to_block_id.values():
+            block = self.blocks[block_id]
+            block.block_hash, block.token_ids = None, ()
+        self.hash_to_block_id.clear()
+        self._hashed.clear()
+        return forgotten
+
     def _take(self, block: Block) -> None:
         if block.ref_count == 0:
             del self.free_block_ids[block.block_id]

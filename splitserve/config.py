@@ -92,6 +92,40 @@ class SchedulerConfig:
             raise ValueError(f"invalid max_model_len={self.max_model_len}: must be >= 1")
 
 
+@dataclass
+class CudaGraphConfig:
+    """CUDA graphs on a GPU (ignored on CPU). Sizes are in tokens per step.
+
+    Decode graphs capture a whole decode step per size (``batch * (1 +
+    draft tokens)``); prefill and mixed steps up to the largest
+    ``prefill_sizes`` entry replay piecewise graphs (the forward between
+    attention calls) with attention run eagerly. ``enabled: false`` runs every
+    step eagerly (vLLM's ``enforce_eager``).
+    """
+
+    enabled: bool = True
+    decode_sizes: list[int] | None = None  # None: 1, 2, 4, 8, then every 16 up to max_num_seqs
+    prefill_sizes: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
+    piecewise: bool = True  # piecewise graphs for prefill and mixed steps
+
+    def check(self) -> None:
+        for key in ("decode_sizes", "prefill_sizes"):
+            sizes = getattr(self, key)
+            if sizes is not None and (not sizes or any(int(n) < 1 for n in sizes)):
+                raise ValueError(
+                    f"invalid cuda_graph.{key}={sizes}: must be a non-empty list of sizes >= 1"
+                )
+
+    def decode_capture_sizes(self, max_num_seqs: int) -> list[int]:
+        if self.decode_sizes is not None:
+            return sorted({int(n) for n in self.decode_sizes})
+        sizes = [n for n in (1, 2, 4, 8) if n <= max_num_seqs]
+        sizes += list(range(16, max_num_seqs + 1, 16))
+        if sizes[-1] != max_num_seqs:
+            sizes.append(max_num_seqs)
+        return sizes
+
+
 ROLES = ("mixed", "prefill", "decode")
 KV_TRANSPORTS = ("auto", "cpu", "nccl")
 
@@ -121,13 +155,14 @@ class EngineConfig:
     # auto: the checkpoint's weights (presets: portable seeded init); dummy: random
     # weights drawn on the device, fast, for benchmarks of full-size shapes.
     load_format: str = "auto"
-    attention_backend: str = "auto"  # auto | torch
+    attention_backend: str = "auto"  # auto (flashinfer on a GPU when it fits) | torch | flashinfer
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # mixed: prompts and decodes; prefill: prompts whose KV goes to a decode worker;
     # decode: requests whose KV arrives from a prefill worker (and short local ones).
     role: str = "mixed"
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -138,6 +173,7 @@ class EngineConfig:
         self.cache.check()
         self.scheduler.check()
         self.kv_transfer.check()
+        self.cuda_graph.check()
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
@@ -146,6 +182,7 @@ class EngineConfig:
             "cache": CacheConfig,
             "scheduler": SchedulerConfig,
             "kv_transfer": KVTransferConfig,
+            "cuda_graph": CudaGraphConfig,
         }
         kwargs: dict[str, Any] = {}
         for key, value in values.items():

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from splitserve.config import EngineConfig, resolve_device, resolve_dtype
 from splitserve.errors import InvalidRequestError
@@ -33,8 +34,8 @@ from splitserve.workers.kv_cache import KVCache, KVCacheSpec
 from splitserve.workers.kv_transfer.base import KVTransport, TransferEvent
 from splitserve.workers.kv_transfer.registry import make_kv_transport
 from splitserve.workers.kv_transfer.ticket import TransferDone, TransferTicket
-from splitserve.workers.model_loader import load_hf_config, load_model
-from splitserve.workers.model_runner import ModelRunner
+from splitserve.workers.model_loader import load_checkpoint, load_hf_config, load_model
+from splitserve.workers.model_runner import GraphLimits, ModelRunner
 from splitserve.workers.output_processor import OutputProcessor
 from splitserve.workers.outputs import RequestOutput
 from splitserve.workers.sampler import Sampler, TokenLogprobs
@@ -80,8 +81,25 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.sampler = Sampler(self.tokenizer, seed=config.seed)
-        backend = make_attention_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(model, self.kv_cache, backend, self.sampler, self.device)
+        backend = make_attention_backend(
+            config.attention_backend,
+            self.device,
+            self.hf_config.num_attention_heads,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype,
+        )
+        graph_limits = None
+        if config.cuda_graph.enabled:
+            graph_limits = GraphLimits(
+                config.cuda_graph,
+                config.scheduler.max_num_seqs,
+                config.scheduler.max_num_batched_tokens,
+                self.max_model_len,
+            )
+        self.runner = ModelRunner(
+            model, self.kv_cache, backend, self.sampler, self.device, graph_limits
+        )
         self.output_processor = OutputProcessor(
             self.tokenizer, self.max_model_len, delta=delta_outputs
         )
@@ -94,14 +112,18 @@ class LLMEngine:
             self.kv_transport = make_kv_transport(
                 kt.transport, self.kv_cache, kt.host, kt.timeout_s, **transport_options
             )
+        self.runner.capture_graphs()
         logger.info(
-            "%s engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "%s engine ready: %s on %s, %s attention, %d KV blocks of %d tokens, "
+            "max_model_len %d, CUDA graphs %s",
             self.role,
             config.model,
             self.device,
+            backend.name,
             num_blocks,
             kv_spec.block_size,
             self.max_model_len,
+            "on" if self.runner.graphs is not None else "off",
         )
 
     # -- requests ------------------------------------------------------------
@@ -163,6 +185,25 @@ class LLMEngine:
     def has_runnable_requests(self) -> bool:
         """Work for ``step`` right now; False while every request waits on a transfer."""
         return self.scheduler.has_runnable_requests()
+
+    # -- weights -------------------------------------------------------------
+
+    def clear_parameters(self) -> None:
+        """Free the weights and drop every CUDA graph (e.g. before an RL weight update)."""
+        self.runner.clear_parameters()
+
+    def update_parameters(self, checkpoint: str | Path) -> None:
+        """Load new weights from a checkpoint directory of the same architecture.
+
+        Needs an idle engine. Every CUDA graph is dropped and captured again at
+        the next step, and the prefix cache is reset (its KV came from the old
+        weights).
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("update_parameters needs an idle engine; requests are in flight")
+        self.runner.load_parameters(lambda model: load_checkpoint(model, Path(checkpoint)))
+        self.block_manager.reset_prefix_cache()
+        self.runner.capture_graphs()
 
     def close(self) -> None:
         if self.kv_transport is not None:

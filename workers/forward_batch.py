@@ -37,6 +37,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [batch + 1] int32, cumulative query_lens
     seq_lens_tensor: torch.Tensor  # [batch] int32
     block_tables: torch.Tensor  # [batch, max_blocks_per_seq] int32, padded with 0 (null page)
+    block_ids: list[list[int]]  # the same block tables on the host, unpadded
     slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset; -1 skips
     logits_indices: torch.Tensor  # [num_sampled] rows whose hidden state becomes logits
     kv_cache: KVCache

@@ -26,7 +26,10 @@ def build_forward_batch(
     kv_cache: KVCache,
     attn_backend: AttentionBackend,
     device: torch.device | str,
+    plan: bool = True,
 ) -> ForwardBatch:
+    """Pack the step's requests; ``plan=False`` leaves ``attn_backend.plan`` to the
+    caller (a CUDA-graph runner plans its padded batch instead)."""
     block_size = kv_cache.block_size
     input_ids: list[int] = []
     positions: list[int] = []
@@ -60,10 +63,12 @@ def build_forward_batch(
         query_start_loc=tensor(cu, torch.int32),
         seq_lens_tensor=tensor(seq_lens, torch.int32),
         block_tables=tensor(tables, torch.int32),
+        block_ids=[r.block_ids for r in requests],
         slot_mapping=tensor(slots, torch.long),
         logits_indices=tensor(logits_indices, torch.long),
         kv_cache=kv_cache,
         attn_backend=attn_backend,
     )
-    attn_backend.plan(fb)
+    if plan:
+        attn_backend.plan(fb)
     return fb

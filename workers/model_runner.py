@@ -1,4 +1,11 @@
-"""Runs one scheduled step on the device: prepare inputs, forward, logits, sample."""
+"""Runs one scheduled step on the device: prepare inputs, forward, logits, sample.
+
+On a GPU the forward replays CUDA graphs where the step's shape allows (see
+``workers/cuda_graphs``); every other step runs eagerly. The runner also owns
+the weights' lifecycle: ``clear_parameters`` drops every graph and frees the
+weights, ``load_parameters`` brings new ones, and the graphs are captured
+again at the next step.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from splitserve.config import CudaGraphConfig
 from splitserve.scheduler.request import Request
 from splitserve.scheduler.scheduler import SchedulerOutput, will_sample
 from splitserve.workers.attention.base import AttentionBackend
+from splitserve.workers.cuda_graphs.decode_runner import DecodeGraphRunner
+from splitserve.workers.cuda_graphs.owner import GraphOwner
+from splitserve.workers.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
+from splitserve.workers.forward_batch import ForwardBatch
 from splitserve.workers.input_batch import StepRequest, build_forward_batch
 from splitserve.workers.kv_cache import KVCache
 from splitserve.workers.sampler import Sampler, TokenLogprobs
@@ -31,21 +43,59 @@ class ModelRunner:
         attn_backend: AttentionBackend,
         sampler: Sampler,
         device: torch.device,
+        graph_limits: GraphLimits | None = None,
     ):
+        """``graph_limits`` (on a CUDA device) turns CUDA graphs on."""
         self.model = model
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
         self.sampler = sampler
         self.device = device
+        self.graphs: GraphOwner | None = None
+        if graph_limits is not None and device.type == "cuda":
+            self.graphs = self._graph_owner(graph_limits)
+        self._param_shapes: dict[str, torch.Size] = {}
+
+    def _graph_owner(self, limits: GraphLimits) -> GraphOwner:
+        owner = GraphOwner(self.device, self.attn_backend)
+        config = limits.config
+        max_blocks = -(-limits.max_model_len // self.kv_cache.block_size)
+        decode_sizes = [
+            n for n in config.decode_capture_sizes(limits.max_num_seqs) if n <= limits.max_num_seqs
+        ]
+        if decode_sizes and self.attn_backend.supports_decode_graphs(decode_sizes[-1], max_blocks):
+            owner.register(
+                DecodeGraphRunner(
+                    self.model,
+                    self.attn_backend,
+                    self.kv_cache,
+                    decode_sizes,
+                    max_blocks,
+                    self.device,
+                )
+            )
+        prefill_sizes = [n for n in config.prefill_sizes if n <= limits.max_num_batched_tokens]
+        if config.piecewise and prefill_sizes:
+            owner.register(
+                PiecewiseGraphRunner(
+                    self.model, self.attn_backend, self.kv_cache, prefill_sizes, self.device
+                )
+            )
+        return owner if owner.runners else None
+
+    def capture_graphs(self) -> None:
+        """Capture now (engine start) rather than at the first step that could use them."""
+        if self.graphs is not None and not self.graphs.captured:
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(
         self, batch: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None
     ) -> StepResult:
         steps = [_step_request(r, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)]
-        fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, self.device)
+        fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, self.device, plan=False)
         fb.on_layer_stored = on_layer_stored
-        hidden = self.model(fb.input_ids, fb.positions, fb)
+        hidden = self.forward(fb)
         logits = self.model.compute_logits(hidden[fb.logits_indices])
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         out = self.sampler(logits, sampling) if sampling else None
@@ -55,6 +105,54 @@ class ModelRunner:
                 sampled[r.request_id] = (tok, lp)
         decode = fb.num_decode_tokens
         return StepResult(sampled, fb.num_tokens - decode, decode)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Hidden states of the step's tokens: a graph replay where one fits, else eager."""
+        if self.graphs is not None:
+            self.capture_graphs()
+            runner = self.graphs.runner_for(fb)
+            if runner is not None:
+                return runner.forward(fb)
+        self.attn_backend.plan(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    # -- weights -------------------------------------------------------------
+
+    def clear_parameters(self) -> None:
+        """Drop every CUDA graph, then free the weights' memory (before a weight update)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        for name, param in self.model.named_parameters():
+            self._param_shapes[name] = param.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def load_parameters(self, load: Callable[[nn.Module], None]) -> None:
+        """Re-create freed weights at their shapes, then ``load(model)`` fills them.
+
+        Graphs are dropped first in any case (they hold the old addresses) and
+        are captured again at the next step.
+        """
+        if self.graphs is not None:
+            self.graphs.clear()
+        for name, param in self.model.named_parameters():
+            shape = self._param_shapes.get(name)
+            if shape is not None and param.numel() == 0:
+                param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self._param_shapes = {}
+        load(self.model)
+
+
+@dataclass(frozen=True)
+class GraphLimits:
+    """What bounds the captured sizes: the graph config and the scheduler's limits."""
+
+    config: CudaGraphConfig
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
 
 
 def _step_request(request: Request, num_tokens: int) -> StepRequest:

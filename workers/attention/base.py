@@ -48,7 +48,11 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store k/v for the new tokens and attend q over the paged KV."""
 
-    # CUDA-graph hooks: called by the graph runner, never by models.
+    # CUDA-graph hooks: called by the graph runners, never by models.
+    def supports_decode_graphs(self, max_num_tokens: int, max_blocks_per_seq: int) -> bool:
+        """Whether whole decode steps up to this size can be captured."""
+        return self.supports_cuda_graphs
+
     def init_graph_buffers(self, max_num_tokens: int, max_blocks_per_seq: int) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot run in CUDA graphs")
 
@@ -57,3 +61,6 @@ class AttentionBackend(ABC):
 
     def prepare_replay(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot run in CUDA graphs")
+
+    def clear_graphs(self) -> None:
+        """Drop every per-graph buffer and plan (the graph owner is clearing its graphs)."""

@@ -1,17 +1,47 @@
-"""Pick the attention backend for a device."""
+"""Pick the attention backend for a device and a model's attention shape."""
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
 
-BACKENDS = ("auto", "torch")
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "flashinfer")
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks the fastest backend available on the device (torch for now)."""
+def make_attention_backend(
+    name: str,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> AttentionBackend:
+    """``auto``: FlashInfer on a GPU when it serves this shape and dtype, else torch."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; accepted: {', '.join(BACKENDS)}")
-    return TorchAttentionBackend()
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchAttentionBackend()
+    if device.type != "cuda":
+        raise ValueError("attention_backend 'flashinfer' needs a CUDA device")
+    from splitserve.workers.attention.flashinfer_backend import (
+        FlashInferAttentionBackend,
+        flashinfer_supports,
+    )
+
+    if name == "auto":
+        fits = dtype in (torch.float16, torch.bfloat16) and flashinfer_supports(head_dim, device)
+        if not fits:
+            logger.info(
+                "attention: torch backend (flashinfer needs head_dim 64/128/256 and "
+                "float16/bfloat16; this model has head_dim %d, %s)",
+                head_dim,
+                dtype,
+            )
+            return TorchAttentionBackend()
+    return FlashInferAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, device)

@@ -5,6 +5,10 @@ run batched: each request's blocks are gathered into a padded ``[batch,
 max_len]`` view and masked by sequence length. Prefill and mixed steps run per
 request, so a chunk attends its cached prefix plus itself under a causal mask.
 Attention runs in float32 through torch SDPA (grouped-query heads, boolean mask).
+
+In a decode CUDA graph the gather spans every block a request may own
+(``max_blocks_per_seq``), so the shapes are static; ``prepare_replay`` writes
+the padded batch's gather index and mask into static buffers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from splitserve.kernels.kv_store import store_kv
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
 
+MAX_GRAPH_GATHER_BLOCKS = 1 << 14  # decode graphs gather all of max_model_len per request
+
 
 @dataclass
 class TorchAttentionMetadata:
@@ -28,18 +34,48 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_cuda_graphs = True
+
+    def __init__(self) -> None:
+        self._graph_index: torch.Tensor | None = None  # [max tokens, max_len] static
+        self._graph_mask: torch.Tensor | None = None
 
     def plan(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        block_size = fb.kv_cache.block_size
-        max_len = max(fb.seq_lens)
-        offsets = torch.arange(max_len, device=fb.block_tables.device)
-        blocks = fb.block_tables.long().gather(1, (offsets // block_size).expand(fb.batch_size, -1))
-        gather_index = blocks * block_size + offsets % block_size
-        key_mask = offsets[None, :] < fb.seq_lens_tensor[:, None]
+        gather_index, key_mask = _gather_index(fb, max(fb.seq_lens))
         starts = fb.query_start_loc.tolist()
         spans = list(zip(starts[:-1], starts[1:]))
         fb.attn_metadata = TorchAttentionMetadata(gather_index, key_mask, spans)
+
+    def supports_decode_graphs(self, max_num_tokens: int, max_blocks_per_seq: int) -> bool:
+        """A graph gathers every key a request may own: only for small caches (tests)."""
+        return max_num_tokens * max_blocks_per_seq <= MAX_GRAPH_GATHER_BLOCKS
+
+    def init_graph_buffers(self, max_num_tokens: int, max_blocks_per_seq: int) -> None:
+        self._graph_shape = (max_num_tokens, max_blocks_per_seq)
+        self._graph_index = self._graph_mask = None  # allocated at the first capture
+
+    def prepare_capture(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
+        if self._graph_index is None:
+            rows, blocks = self._graph_shape
+            max_len = blocks * forward_batch.kv_cache.block_size
+            device = forward_batch.block_tables.device
+            self._graph_index = torch.zeros(rows, max_len, dtype=torch.long, device=device)
+            self._graph_mask = torch.zeros(rows, max_len, dtype=torch.bool, device=device)
+        self.prepare_replay(num_tokens, forward_batch)
+
+    def prepare_replay(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        gather_index, key_mask = _gather_index(fb, self._graph_index.shape[1])
+        self._graph_index[:num_tokens].copy_(gather_index)
+        self._graph_mask[:num_tokens].copy_(key_mask)
+        spans = [(i, i + 1) for i in range(num_tokens)]
+        fb.attn_metadata = TorchAttentionMetadata(
+            self._graph_index[:num_tokens], self._graph_mask[:num_tokens], spans
+        )
+
+    def clear_graphs(self) -> None:
+        self._graph_index = self._graph_mask = None
 
     def forward(
         self,
@@ -68,6 +104,17 @@ class TorchAttentionBackend(AttentionBackend):
                 q[None, start:end], flat_k[index][None], flat_v[index][None], mask[None], layer
             )[0]
         return out
+
+
+def _gather_index(fb: ForwardBatch, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot of every key of each request, ``[batch, max_len]``, and its mask."""
+    block_size = fb.kv_cache.block_size
+    offsets = torch.arange(max_len, device=fb.block_tables.device)
+    block_index = (offsets // block_size).clamp(max=fb.block_tables.shape[1] - 1)
+    blocks = fb.block_tables.long().gather(1, block_index.expand(fb.batch_size, -1))
+    gather_index = blocks * block_size + offsets % block_size
+    key_mask = offsets[None, :] < fb.seq_lens_tensor[:, None]
+    return gather_index, key_mask
 
 
 def _attend(

@@ -1,0 +1,194 @@
+"""FlashInfer paged attention for NVIDIA GPUs.
+
+One ``plan()`` per step (it costs ~150 us of CPU), one ``run()`` per layer:
+
+- decode steps (every request adds one token): the batch-decode wrapper;
+- prefill, mixed and verify steps: the batch-prefill wrapper with a causal
+  mask aligned to the end of each request's KV, so a chunk attends its cached
+  prefix and itself, and a decode row in a mixed step is a one-token query.
+
+New K/V rows go into the cache with the Triton KV store before attention.
+
+Decode CUDA graphs get one decode wrapper per captured size, built over
+static index buffers (``use_cuda_graph=True``); ``prepare_replay`` re-plans
+it with the padded batch, which rewrites those buffers before the replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from splitserve.kernels.triton.kv_store import store_kv
+from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
+from splitserve.workers.forward_batch import ForwardBatch, Phase
+
+HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
+WORKSPACE_BYTES = 256 << 20
+
+
+@dataclass
+class PagedKVIndex:
+    """The paged KV of a batch in CSR form, on the host (FlashInfer plans from it)."""
+
+    kv_indptr: torch.Tensor  # [batch + 1] int32
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32 block ids
+    kv_last_page_len: torch.Tensor  # [batch] int32, tokens in each request's last block
+    qo_indptr: torch.Tensor  # [batch + 1] int32, query rows of each request
+
+    @classmethod
+    def of(cls, fb: ForwardBatch) -> PagedKVIndex:
+        block_size = fb.kv_cache.block_size
+        indptr, indices, last = [0], [], []
+        for blocks, seq_len in zip(fb.block_ids, fb.seq_lens):
+            num_pages = -(-seq_len // block_size)
+            indices += blocks[:num_pages]
+            indptr.append(len(indices))
+            last.append(seq_len - (num_pages - 1) * block_size)
+        qo = [0]
+        for q in fb.query_lens:
+            qo.append(qo[-1] + q)
+
+        def host(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32)
+
+        return cls(host(indptr), host(indices), host(last), host(qo))
+
+
+@dataclass
+class FlashInferMetadata:
+    wrapper: Any  # the FlashInfer wrapper planned for this step
+
+
+def flashinfer_supports(head_dim: int, device: torch.device) -> bool:
+    """Whether the FlashInfer backend can serve this model on this device."""
+    if device.type != "cuda" or head_dim not in HEAD_DIMS:
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graphs = True
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        import flashinfer
+
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(
+                f"flashinfer attention needs head_dim in {HEAD_DIMS}, got {head_dim}; "
+                "use attention_backend: torch"
+            )
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"flashinfer attention runs float16 or bfloat16, got {dtype}; "
+                "use attention_backend: torch"
+            )
+        self._flashinfer = flashinfer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.graph_wrappers: dict[int, Any] = {}  # captured size -> decode wrapper
+        self._graph_buffers: dict[str, torch.Tensor] = {}
+
+    # -- eager steps -----------------------------------------------------------
+
+    def plan(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        index = PagedKVIndex.of(fb)
+        if fb.phase == Phase.DECODE:
+            self._plan_decode(self.decode_wrapper, index, fb.kv_cache.block_size)
+            fb.attn_metadata = FlashInferMetadata(self.decode_wrapper)
+            return
+        self.prefill_wrapper.plan(
+            index.qo_indptr,
+            index.kv_indptr,
+            index.kv_indices,
+            index.kv_last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            fb.kv_cache.block_size,
+            causal=True,
+            sm_scale=self.head_dim**-0.5,
+            q_data_type=self.dtype,
+            kv_data_type=fb.kv_cache.spec.dtype,
+        )
+        fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+
+    def _plan_decode(self, wrapper: Any, index: PagedKVIndex, block_size: int) -> None:
+        wrapper.plan(
+            index.kv_indptr,
+            index.kv_indices,
+            index.kv_last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            block_size,
+            sm_scale=self.head_dim**-0.5,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionSpec,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
+        store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
+        meta: FlashInferMetadata = forward_batch.attn_metadata
+        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))
+
+    # -- decode CUDA graphs ----------------------------------------------------
+
+    def init_graph_buffers(self, max_num_tokens: int, max_blocks_per_seq: int) -> None:
+        """Index buffers shared by every captured size (a replay re-plans them)."""
+        int32 = {"dtype": torch.int32, "device": self.device}
+        self._graph_buffers = {
+            "kv_indptr": torch.zeros(max_num_tokens + 1, **int32),
+            "kv_indices": torch.zeros(max_num_tokens * max_blocks_per_seq, **int32),
+            "kv_last_page_len": torch.zeros(max_num_tokens, **int32),
+        }
+        self.graph_wrappers = {}
+
+    def prepare_capture(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
+        buffers = self._graph_buffers
+        wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=buffers["kv_indptr"][: num_tokens + 1],
+            paged_kv_indices_buffer=buffers["kv_indices"],
+            paged_kv_last_page_len_buffer=buffers["kv_last_page_len"][:num_tokens],
+        )
+        self.graph_wrappers[num_tokens] = wrapper
+        self.prepare_replay(num_tokens, forward_batch)
+
+    def prepare_replay(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
+        wrapper = self.graph_wrappers[num_tokens]
+        block_size = forward_batch.kv_cache.block_size
+        self._plan_decode(wrapper, PagedKVIndex.of(forward_batch), block_size)
+        forward_batch.attn_metadata = FlashInferMetadata(wrapper)
+
+    def clear_graphs(self) -> None:
+        self.graph_wrappers = {}
+        self._graph_buffers = {}
