@@ -43,10 +43,11 @@ _COMMON = dict(
 )
 
 
-def qwen3_config(tie_word_embeddings: bool = False) -> PretrainedConfig:
+def qwen3_config(tie_word_embeddings: bool = False, head_dim: int = 16) -> PretrainedConfig:
+    """``head_dim=64``: a size FlashInfer's kernels are built for (GPU tests)."""
     return AutoConfig.for_model(
         "qwen3",
-        **_COMMON,
+        **{**_COMMON, "head_dim": head_dim},
         tie_word_embeddings=tie_word_embeddings,
         rope_theta=1e6,
         architectures=["Qwen3ForCausalLM"],
@@ -102,10 +103,14 @@ def glm4_moe_config() -> PretrainedConfig:
 
 
 def write_qwen3(
-    directory: str | Path, tie_word_embeddings: bool = False, max_shard_size: str | None = None
+    directory: str | Path,
+    tie_word_embeddings: bool = False,
+    max_shard_size: str | None = None,
+    head_dim: int = 16,
+    seed: int = 1,
 ) -> Path:
-    config = qwen3_config(tie_word_embeddings)
-    return _write(config, directory, seed=1, max_shard_size=max_shard_size)
+    config = qwen3_config(tie_word_embeddings, head_dim)
+    return _write(config, directory, seed=seed, max_shard_size=max_shard_size)
 
 
 def write_qwen3_sharded(directory: str | Path, with_index: bool = True) -> Path:

@@ -1,0 +1,254 @@
+"""CUDA graphs and FlashInfer attention on a GPU, against eager and transformers.
+
+- Greedy output with graphs equals eager, and both follow transformers'
+  float32 model wherever its top-2 logit gap is safe for the dtype.
+- bf16 logits of prefill (piecewise graphs) and decode (decode graphs) are
+  within 1e-2 relative error of transformers' float32 logits.
+- A replay at a padded size writes no KV outside the real tokens' slots and
+  its padded rows read only the null page (freed pages are poisoned with NaN).
+- After ``clear_parameters`` and new weights, outputs follow the new weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from splitserve import LLM, SamplingParams
+from splitserve.workers.attention.torch_backend import TorchAttentionBackend
+from splitserve.workers.forward_batch import Phase
+from splitserve.workers.input_batch import StepRequest, build_forward_batch
+from tests import checkpoints
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+MAX_TOKENS = [24, 10, 17, 5, 24]  # requests finish at different steps: the batch shrinks
+PROMPT_LENS = [5, 17, 33, 9, 60]
+SAFE_GAP = {"float32": 1e-3, "bfloat16": 0.25}  # logit gap below which a flip is a tie
+LOGITS_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
+WRITERS = {
+    "qwen3-hd64": lambda d: checkpoints.write_qwen3(d, head_dim=64),  # FlashInfer in bf16
+    "qwen3": checkpoints.write_qwen3,  # head_dim 16: torch attention in graphs
+    "qwen3_moe": checkpoints.write_qwen3_moe,
+    "glm4_moe": checkpoints.write_glm4_moe,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    WRITERS[request.param](path)
+    reference = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    return path, reference
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _llm(path, dtype: str, graphs: bool, **kwargs) -> LLM:
+    return LLM(
+        str(path),
+        device="cuda",
+        dtype=dtype,
+        max_model_len=128,
+        block_size=8,
+        num_kv_blocks=256,
+        max_num_seqs=8,
+        cuda_graph={"enabled": graphs, "prefill_sizes": [16, 64, 256]},
+        **kwargs,
+    )
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@torch.no_grad()
+def _reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
+    return reference(torch.tensor([token_ids])).logits[0].float()
+
+
+def _assert_follows_reference(reference, prompt, generated, safe_gap: float) -> None:
+    """Each token is the reference's argmax, up to the first near-tie (then paths may part)."""
+    logits = _reference_logits(reference, prompt + generated)[len(prompt) - 1 : -1]
+    top2 = logits.topk(2, dim=-1)
+    for i, token in enumerate(generated):
+        if token == int(top2.indices[i, 0]):
+            continue
+        gap = float(top2.values[i, 0] - top2.values[i, 1])
+        assert gap < safe_gap, f"token {i}: got {token}, reference {top2.indices[i, 0]} by {gap}"
+        return
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graphs_equal_eager_and_follow_transformers(family, dtype):
+    path, reference = family
+    prompts = _prompts()
+    graphed_llm = _llm(path, dtype, graphs=True)
+    assert graphed_llm.engine.runner.graphs is not None
+    graphed = _generate(graphed_llm, prompts)
+    eager = _generate(_llm(path, dtype, graphs=False), prompts)
+    if dtype == "float32":
+        assert graphed == eager
+    for prompt, ours in zip(prompts, graphed):
+        _assert_follows_reference(reference, prompt, ours, SAFE_GAP[dtype])
+    for prompt, ours in zip(prompts, eager):
+        _assert_follows_reference(reference, prompt, ours, SAFE_GAP[dtype])
+    assert graphed_llm.engine.kv_cache.null_page_is_zero()
+    assert graphed_llm.engine.block_manager.num_free_blocks == 255
+
+
+class ManualSteps:
+    """Drives an engine's model runner with hand-made steps over its KV cache."""
+
+    def __init__(self, llm: LLM, num_requests: int, blocks_per_request: int = 8):
+        self.engine = llm.engine
+        self.runner = self.engine.runner
+        self.tables = [
+            list(range(1 + i * blocks_per_request, 1 + (i + 1) * blocks_per_request))
+            for i in range(num_requests)
+        ]
+
+    @torch.no_grad()
+    def hidden(self, chunks, num_computed, rows=None) -> tuple[torch.Tensor, object]:
+        rows = rows if rows is not None else range(len(chunks))
+        steps = [
+            StepRequest(chunks[i], num_computed[i], self.tables[r], sample=True)
+            for i, r in enumerate(rows)
+        ]
+        fb = build_forward_batch(
+            steps, self.runner.kv_cache, self.runner.attn_backend, "cuda", plan=False
+        )
+        return self.runner.forward(fb), fb
+
+    def logits(self, chunks, num_computed) -> list[torch.Tensor]:
+        hidden, fb = self.hidden(chunks, num_computed)
+        logits = self.runner.model.compute_logits(hidden).float().cpu()
+        return list(logits.split(fb.query_lens))
+
+
+def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_logits_match_transformers(family, dtype):
+    """Prefill through piecewise graphs, then two decode steps through decode graphs."""
+    path, reference = family
+    llm = _llm(path, dtype, graphs=True)
+    steps = ManualSteps(llm, len(PROMPT_LENS))
+    prompts = _prompts(seed=2)
+    got = steps.logits(prompts, [0] * len(prompts))
+    seqs = [list(p) for p in prompts]
+    for _ in range(2):
+        next_tokens = [int(g[-1].argmax()) for g in got]
+        for seq, tok in zip(seqs, next_tokens):
+            seq.append(tok)
+        decode = steps.logits([[t] for t in next_tokens], [len(s) - 1 for s in seqs])
+        got = [torch.cat([g, d]) for g, d in zip(got, decode)]
+    for seq, ours in zip(seqs, got):
+        ref = _reference_logits(reference, seq)
+        assert _rel_err(ours, ref) < LOGITS_TOLERANCE[dtype]
+
+
+def test_padded_replay_touches_only_real_slots(tmp_path):
+    """Batch 4 then batch 3 at the same size: the padded row must not reuse row 3's KV."""
+    path = checkpoints.write_qwen3(tmp_path, head_dim=64)
+    llm = _llm(path, "bfloat16", graphs=True)
+    steps = ManualSteps(llm, 4)
+    prompts = _prompts(seed=3)[:4]
+    steps.hidden(prompts, [0] * 4)
+    lens = [len(p) for p in prompts]
+    steps.hidden([[1]] * 4, lens)  # decode graph of 4 rows
+    lens = [n + 1 for n in lens]
+    cache = steps.engine.kv_cache
+    live = {b for table in steps.tables[:3] for b in table}
+    for layer in range(cache.spec.num_layers):
+        for t in cache.layer(layer):
+            for block in range(1, cache.num_blocks):
+                if block not in live:
+                    t[block] = float("nan")  # row 3's pages too: it is gone now
+    before = [t.clone() for layer in range(cache.spec.num_layers) for t in cache.layer(layer)]
+    hidden, fb = steps.hidden([[2]] * 3, lens[:3], rows=range(3))
+    assert fb.phase == Phase.DECODE
+    runner = steps.runner.graphs.runner_for(fb)
+    assert runner is not None and runner.name == "decode"
+    _, padded_hidden, _ = runner._graphs[4]
+    assert torch.isfinite(padded_hidden).all(), "a padded row read a poisoned page"
+    assert torch.isfinite(hidden).all()
+    written = set(fb.slot_mapping.tolist())
+    block_size = cache.block_size
+    after = [t for layer in range(cache.spec.num_layers) for t in cache.layer(layer)]
+    for old, new in zip(before, after):
+        old, new = old.flatten(0, 1), new.flatten(0, 1)  # [slots, heads, dim]
+        changed = ~((old == new) | (old.isnan() & new.isnan())).all(-1).all(-1)
+        assert set(changed.nonzero().flatten().tolist()) <= written
+        assert not new[:block_size].any(), "the null page was written"
+
+
+def test_weight_update_drops_graphs(tmp_path):
+    first = checkpoints.write_qwen3(tmp_path / "a", head_dim=64, seed=1)
+    second = checkpoints.write_qwen3(tmp_path / "b", head_dim=64, seed=7)
+    prompts = _prompts(seed=4)
+    llm = _llm(first, "bfloat16", graphs=True)
+    before = _generate(llm, prompts)
+    llm.engine.clear_parameters()
+    assert not llm.engine.runner.graphs.captured
+    assert all(p.numel() == 0 for p in llm.engine.runner.model.parameters())
+    llm.engine.update_parameters(second)
+    assert llm.engine.runner.graphs.captured
+    after = _generate(llm, prompts)
+    expected = _generate(_llm(second, "bfloat16", graphs=False), prompts)
+    assert after == expected
+    assert after != before
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_flashinfer_attention_matches_torch(phase):
+    """Random q/k/v over a shuffled paged cache with cached prefixes: bf16 vs float32."""
+    flashinfer_backend = pytest.importorskip("splitserve.workers.attention.flashinfer_backend")
+    from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size = 16, 4, 128, 16
+    cached = [0, 31, 100, 513]
+    new = [1] * 4 if phase == "decode" else [7, 1, 64, 200]
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, torch.bfloat16)
+    cache = KVCache(spec, 200, "cuda")
+    perm = (torch.randperm(199) + 1).tolist()
+    tables, start = [], 0
+    for c, n in zip(cached, new):
+        need = -(-(c + n) // block_size)
+        tables.append(perm[start : start + need])
+        start += need
+    cache.k[0][1:] = torch.randn_like(cache.k[0][1:])
+    cache.v[0][1:] = torch.randn_like(cache.v[0][1:])
+    steps = [StepRequest([1] * n, c, t, sample=True) for c, n, t in zip(cached, new, tables)]
+    total = sum(new)
+    q = torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    from splitserve.workers.attention.base import AttentionSpec
+
+    layer = AttentionSpec(0, heads, kv_heads, head_dim, head_dim**-0.5)
+    fi = flashinfer_backend.FlashInferAttentionBackend(
+        heads, kv_heads, head_dim, torch.bfloat16, torch.device("cuda")
+    )
+    fb = build_forward_batch(steps, cache, fi, "cuda")
+    assert (fb.phase == Phase.DECODE) == (phase == "decode")
+    out = fi.forward(q, k, v, layer, fb).float()
+    ref_backend = TorchAttentionBackend()
+    ref_fb = build_forward_batch(steps, cache, ref_backend, "cuda")
+    ref = ref_backend.forward(q.float(), k.float(), v.float(), layer, ref_fb).float()
+    assert _rel_err(out, ref) < 1e-2
