@@ -24,3 +24,15 @@ def apply_rotary(
     cos, sin = cos[:, None, :], sin[:, None, :]
     rotated = (x_rot.float() * cos + rotate_half(x_rot.float()) * sin).to(x.dtype)
     return torch.cat((rotated, x_pass), dim=-1)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim] (neox layout)
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by the cache rows of ``positions``."""
+    cos, sin = cos_cache[positions], sin_cache[positions]
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -26,3 +26,50 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE, dtype=dtype)
+
+
+def tiny_model(preset: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A random-init tiny preset (weights drawn on the host: equal on every device)."""
+    from splitserve.workers.model_loader import load_hf_config, load_model
+
+    config, _ = load_hf_config(preset)
+    return load_model(config, None, dtype, device)
+
+
+@torch.no_grad()
+def prefill_then_decode(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    """float32 logits of a packed prefill of ``prompts`` (every position), then of one
+    decode step per prompt (token 7), concatenated; on the model's device and dtype."""
+    from splitserve.workers.attention.torch_backend import TorchAttentionBackend
+    from splitserve.workers.input_batch import StepRequest, build_forward_batch
+    from splitserve.workers.kv_cache import KVCache
+
+    param = next(model.parameters())
+    block_size = 4
+    blocks_per_seq = max(len(p) for p in prompts) // block_size + 1
+    cache = KVCache(
+        model.kv_spec.cache_spec(block_size, param.dtype),
+        1 + blocks_per_seq * len(prompts),
+        param.device,
+    )
+    tables = [
+        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
+        for i in range(len(prompts))
+    ]
+    backend = TorchAttentionBackend()
+    logits = []
+    for step in ("prefill", "decode"):
+        reqs = [
+            StepRequest(p, 0, t, sample=True)
+            if step == "prefill"
+            else StepRequest([7], len(p), t, sample=True)
+            for p, t in zip(prompts, tables)
+        ]
+        fb = build_forward_batch(reqs, cache, backend, param.device)
+        logits.append(model.compute_logits(model(fb.input_ids, fb.positions, fb)))
+    return torch.cat(logits)
+
+
+def prompts(lengths: tuple[int, ...] = (7, 13, 4), seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 512, (n,), generator=g).tolist() for n in lengths]

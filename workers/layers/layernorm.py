@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.kernels.rmsnorm import rms_norm
+from splitserve.kernels.ops import rms_norm
 
 
 class RMSNorm(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.kernels.activation import silu_and_mul
+from splitserve.kernels.ops import silu_and_mul
 from splitserve.workers.layers.linear import GateUpLinear, Linear
 
 

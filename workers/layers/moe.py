@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.kernels.fused_moe import fused_moe
-from splitserve.kernels.moe_routing import noaux_tc_topk, softmax_topk
+from splitserve.kernels.ops import fused_moe, noaux_tc_topk, softmax_topk
 from splitserve.workers.layers.mlp import GatedMLP
 
 W13_SHARDS = {"w1": 0, "w3": 1}  # gate_proj, up_proj

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitserve.kernels.rotary import apply_rotary
+from splitserve.kernels.ops import rotary_embedding
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -45,8 +45,7 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos[positions], self.sin[positions]
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return rotary_embedding(positions, q, k, self.cos, self.sin)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:

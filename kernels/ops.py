@@ -1,0 +1,109 @@
+"""The kernels the model layers call: Triton on CUDA tensors, the torch reference otherwise.
+
+Each op has one signature, shared by its reference (``kernels/<name>.py``) and
+its Triton version (``kernels/triton/<name>.py``); the device of the op's first
+tensor picks the implementation, so CPU results are exactly the reference's.
+Triton modules are imported on the first CUDA call: a CPU-only process never
+imports triton.
+
+On CUDA every op launches kernels only: no host sync, and every output and
+scratch buffer is sized from the input shapes (MoE: from ``num_tokens * top_k``
+and the expert count, never from the routing). A forward built from these ops
+can be captured in a CUDA graph, whole or in pieces between attention calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+
+from splitserve.kernels import activation, moe_routing, rmsnorm, rotary
+from splitserve.kernels import fused_moe as moe
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether ops on tensors like ``x`` run the Triton kernels."""
+    return x.is_cuda
+
+
+@functools.cache
+def _triton(name: str) -> ModuleType:
+    return importlib.import_module(f"splitserve.kernels.triton.{name}")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * x / rms(x)``; with ``residual``: ``(rms_norm(x + residual), x + residual)``."""
+    kernels = _triton("rmsnorm") if use_triton(x) else rmsnorm
+    return kernels.rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim] (neox layout)
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by the cache rows of ``positions`` (partial when rotary_dim < head_dim)."""
+    kernels = _triton("rotary") if use_triton(q) else rotary
+    return kernels.rotary_embedding(positions, q, k, cos_cache, sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
+    kernels = _triton("activation") if use_triton(x) else activation
+    return kernels.silu_and_mul(x)
+
+
+def softmax_topk(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights float32, topk_ids int64)``, both ``[num_tokens, top_k]``."""
+    kernels = _triton("moe_routing") if use_triton(router_logits) else moe_routing
+    return kernels.softmax_topk(router_logits, top_k, renormalize)
+
+
+def noaux_tc_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped sigmoid routing; ``(topk_weights float32, topk_ids int64)``."""
+    kernels = _triton("moe_routing") if use_triton(router_logits) else moe_routing
+    return kernels.noaux_tc_topk(
+        router_logits,
+        correction_bias,
+        top_k,
+        n_group,
+        topk_group,
+        renormalize,
+        routed_scaling_factor,
+    )
+
+
+def fused_moe(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate, hidden]
+    w2: torch.Tensor,  # [num_experts, hidden, intermediate]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    topk_ids: torch.Tensor,  # [num_tokens, top_k]
+) -> torch.Tensor:
+    """Every token through its top-k experts, weighted and summed.
+
+    On CUDA: the block-padded layout of ``kernels/moe_align.py`` (at most
+    ``num_tokens * top_k + num_experts * (block_m - 1)`` rows) and two grouped GEMMs.
+    """
+    kernels = _triton("fused_moe") if use_triton(hidden) else moe
+    return kernels.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
