@@ -4,7 +4,9 @@ import json
 import math
 
 import pytest
+import torch
 
+from benchmarks import kernels_roofline as kr
 from benchmarks.roofline import (
     device_slug,
     format_cell,
@@ -13,6 +15,8 @@ from benchmarks.roofline import (
     print_table,
     write_report,
 )
+
+BF16 = torch.bfloat16
 
 
 def test_format_cell():
@@ -71,3 +75,86 @@ def test_plot_ratios_writes_a_png(tmp_path):
 def test_plot_ratios_checks_lengths(tmp_path):
     with pytest.raises(ValueError, match="2 labels for 1 ratios"):
         plot_ratios(tmp_path / "x.png", ["a", "b"], [1.0], "test")
+
+
+# ---- the floors of benchmarks/kernels_roofline.py ----------------------------------
+
+
+def test_kv_store_bytes_count_the_read_and_the_cache_dtype_write():
+    rows = 16384 * 8 * 128  # Qwen3-8B: 8 KV heads x 128, one layer
+    assert kr.kv_store_bytes(16384, 8, 128, BF16, BF16) == 2 * rows * (2 + 2)
+    assert kr.kv_store_bytes(16384, 8, 128, BF16, torch.float8_e4m3fn) == 2 * rows * (2 + 1)
+    assert kr.kv_store_bytes(0, 8, 128, BF16, BF16) == 0
+
+
+def test_moe_floor_counts_each_distinct_expert_once():
+    one = 3 * 2048 * 768 * 2  # w13 [1536, 2048] + w2 [2048, 768], bf16
+    assert kr.expert_bytes(2048, 768, BF16) == one
+    ids = torch.tensor([[3, 7], [7, 1], [3, 1]])
+    assert kr.moe_weight_bytes(ids, 2048, 768, BF16) == 3 * one
+    all_experts = torch.arange(128).view(16, 8)
+    assert kr.moe_weight_bytes(all_experts, 2048, 768, BF16) == 128 * one  # ~1.2 GB
+    assert kr.moe_flops(256, 8, 2048, 768) == 2 * 256 * 8 * one // 2
+
+
+def test_floor_is_the_slower_of_memory_and_compute():
+    assert kr.floor_ms(2e9, 2000.0) == pytest.approx(1.0)  # 2 GB at 2 TB/s
+    assert kr.floor_ms(2e9, 2000.0, flops=1e12, tflops=500.0) == pytest.approx(2.0)
+    assert kr.floor_ms(2e9, 2000.0, flops=1e9, tflops=500.0) == pytest.approx(1.0)
+
+
+def test_elementwise_bytes():
+    assert kr.rmsnorm_residual_bytes(4096, 4096, BF16) == (4 * 4096 + 1) * 4096 * 2
+    # q (2 heads) and k (1 head) of dim 4 read and written in bf16; cos and sin float32
+    assert kr.rotary_bytes(3, 2, 1, 4, 4, BF16) == 2 * 3 * 3 * 4 * 2 + 2 * 3 * 4 * 4
+    assert kr.silu_and_mul_bytes(4096, 4096, BF16) == 3 * 4096 * 4096 * 2
+
+
+def test_scattered_slots_are_distinct_and_in_the_cache():
+    blocks = kr.kv_cache_blocks(100, 16)
+    assert blocks == 4 * 7 + 1
+    slots = kr.scattered_slots(100, blocks * 16, torch.Generator().manual_seed(0))
+    assert slots.dtype == torch.int64 and slots.shape == (100,)
+    assert slots.unique().numel() == 100
+    assert int(slots.min()) >= 0 and int(slots.max()) < blocks * 16
+    assert not torch.equal(slots, slots.sort().values)  # scattered, not in order
+    with pytest.raises(ValueError, match="101 tokens do not fit 100 slots"):
+        kr.scattered_slots(101, 100, torch.Generator())
+
+
+def test_rel_err_and_check_refuse_wrong_and_nan_outputs(capsys):
+    ref = torch.tensor([1.0, -2.0, 4.0])
+    assert kr.rel_err(ref.clone(), ref) == 0.0
+    assert kr.rel_err(ref + torch.tensor([0.0, 0.4, 0.0]), ref) == pytest.approx(0.1)
+    assert math.isnan(kr.rel_err(torch.tensor([1.0, math.nan, 4.0]), ref))
+    assert math.isnan(kr.rel_err(ref, torch.zeros(3)))  # an all-zero reference proves nothing
+    assert math.isnan(kr.rel_err(ref[:2], ref))
+    assert kr.check("ok", 0.01) == 0.01
+    with pytest.raises(kr.KernelMismatch, match="relative error 0.1 > 0.02"):
+        kr.check("wrong", 0.1)
+    with pytest.raises(kr.KernelMismatch):
+        kr.check("nan", math.nan)
+    assert "check wrong: relative error 0.1 (> 0.02)" in capsys.readouterr().out
+
+
+def test_show_prints_every_column_and_the_errors(capsys):
+    rows = [
+        {"tokens": 1, "experts": 8, "bytes": 75e6, "mb": 75.5, "ms": 0.05, "ratio_to_floor": 0.5},
+        {"tokens": 256, "error": "KernelMismatch: fused_moe 256 tokens: relative error 1"},
+    ]
+    kr.show("moe", rows)
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| tokens"))
+    assert header.count("|") == len(kr.SECTIONS["moe"][1]) + 1
+    assert "| 75.5 |" in out.replace("  ", " ")
+    assert "not timed: KernelMismatch: fused_moe 256 tokens" in out
+
+
+def test_fp8_far_apart_allows_one_step():
+    scale = torch.tensor([0.5])
+    b = torch.tensor([1.0, 2.0, 4.0, 0.0]) * scale
+    assert kr.fp8_far_apart(b.clone(), b, scale) == 0.0
+    one_step = torch.tensor([1.125, 2.0, 4.0, 0.0]) * scale  # e4m3: 3 mantissa bits
+    assert kr.fp8_far_apart(one_step, b, scale) == 0.0
+    two_steps = torch.tensor([1.0, 2.5, 4.0, 0.0]) * scale
+    assert kr.fp8_far_apart(two_steps, b, scale) == 0.25
