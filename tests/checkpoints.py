@@ -44,7 +44,7 @@ _COMMON = dict(
 
 
 def qwen3_config(tie_word_embeddings: bool = False, head_dim: int = 16) -> PretrainedConfig:
-    """``head_dim=64``: a size FlashInfer's kernels are built for (GPU tests)."""
+    """``head_dim=128``: a size FlashInfer's kernels are built for (GPU tests)."""
     return AutoConfig.for_model(
         "qwen3",
         **{**_COMMON, "head_dim": head_dim},

@@ -31,7 +31,7 @@ PROMPT_LENS = [5, 17, 33, 9, 60]
 SAFE_GAP = {"float32": 1e-3, "bfloat16": 0.25}  # logit gap below which a flip is a tie
 LOGITS_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-2}
 WRITERS = {
-    "qwen3-hd64": lambda d: checkpoints.write_qwen3(d, head_dim=64),  # FlashInfer in bf16
+    "qwen3-hd128": lambda d: checkpoints.write_qwen3(d, head_dim=128),  # FlashInfer in bf16
     "qwen3": checkpoints.write_qwen3,  # head_dim 16: torch attention in graphs
     "qwen3_moe": checkpoints.write_qwen3_moe,
     "glm4_moe": checkpoints.write_glm4_moe,
@@ -164,7 +164,7 @@ def test_graph_logits_match_transformers(family, dtype):
 
 def test_padded_replay_touches_only_real_slots(tmp_path):
     """Batch 4 then batch 3 at the same size: the padded row must not reuse row 3's KV."""
-    path = checkpoints.write_qwen3(tmp_path, head_dim=64)
+    path = checkpoints.write_qwen3(tmp_path, head_dim=128)
     llm = _llm(path, "bfloat16", graphs=True)
     steps = ManualSteps(llm, 4)
     prompts = _prompts(seed=3)[:4]
@@ -198,8 +198,8 @@ def test_padded_replay_touches_only_real_slots(tmp_path):
 
 
 def test_weight_update_drops_graphs(tmp_path):
-    first = checkpoints.write_qwen3(tmp_path / "a", head_dim=64, seed=1)
-    second = checkpoints.write_qwen3(tmp_path / "b", head_dim=64, seed=7)
+    first = checkpoints.write_qwen3(tmp_path / "a", head_dim=128, seed=1)
+    second = checkpoints.write_qwen3(tmp_path / "b", head_dim=128, seed=7)
     prompts = _prompts(seed=4)
     llm = _llm(first, "bfloat16", graphs=True)
     before = _generate(llm, prompts)

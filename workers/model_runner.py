@@ -106,9 +106,9 @@ class ModelRunner:
         decode = fb.num_decode_tokens
         return StepResult(sampled, fb.num_tokens - decode, decode)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, use_graphs: bool = True) -> torch.Tensor:
         """Hidden states of the step's tokens: a graph replay where one fits, else eager."""
-        if self.graphs is not None:
+        if self.graphs is not None and use_graphs:
             self.capture_graphs()
             runner = self.graphs.runner_for(fb)
             if runner is not None:
