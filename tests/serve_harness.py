@@ -1,0 +1,132 @@
+"""A real ``splitserve serve`` subprocess and an HTTP client for it (serving tests)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, port: int):
+        self.port = port
+        self.ray_address = ""
+
+    def request(self, method: str, path: str, body=None, timeout: float = 60.0):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        data = body if isinstance(body, bytes | str) or body is None else json.dumps(body)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read().decode()
+        conn.close()
+        return resp.status, raw
+
+    def post(self, path: str, body) -> tuple[int, dict]:
+        status, raw = self.request("POST", path, body)
+        return status, json.loads(raw)
+
+    def stream(self, path: str, body) -> list[dict]:
+        status, raw = self.request("POST", path, {**body, "stream": True})
+        assert status == 200, raw
+        events = [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+
+    def metrics(self) -> dict[str, float]:
+        status, raw = self.request("GET", "/metrics")
+        assert status == 200
+        values = {}
+        for line in raw.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def blocks(self) -> dict[str, tuple[float, float]]:
+        """pool -> (free KV blocks, usable KV blocks), summed over its replicas."""
+        out: dict[str, list[float]] = {}
+        for name, value in self.metrics().items():
+            m = re.match(r'splitserve_kv_(free_blocks|blocks)\{pool="(\w+)"', name)
+            if m:
+                pair = out.setdefault(m.group(2), [0.0, 0.0])
+                pair[0 if m.group(1) == "free_blocks" else 1] += value
+        return {pool: tuple(v) for pool, v in out.items()}
+
+    def wait_all_blocks_free(self, pools=("prefill", "decode"), timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            blocks = self.blocks()
+            if all(p in blocks and blocks[p][0] == blocks[p][1] for p in pools):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"KV blocks still held: {self.blocks()}")
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if self.request("GET", "/health", timeout=5)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError("the server did not become healthy")
+
+
+@contextlib.contextmanager
+def serving(config: dict, directory: Path, startup_s: float = 180.0) -> Iterator[Server]:
+    """Run ``splitserve serve`` on ``config`` (a free port is filled in) until the block ends.
+
+    ``config["served_model_name"]`` must be set. On exit the server gets
+    SIGTERM and must shut down cleanly with status 0.
+    """
+    port = _free_port()
+    path = directory / "serve.yaml"
+    path.write_text(yaml.safe_dump({**config, "port": port}))
+    name = config["served_model_name"]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--config", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
+    server = Server(port)
+    try:
+        deadline = time.monotonic() + startup_s
+        while not any(f"serving {name} at" in line for line in log):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(log)
+            time.sleep(0.2)
+        (line,) = [line for line in log if "Ray cluster at" in line]
+        server.ray_address = line.split("Ray cluster at ")[1].strip()
+        server.wait_healthy()
+        yield server
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode == 0, "".join(log[-40:])
+    assert any("shutting down" in line for line in log)
