@@ -152,11 +152,25 @@ class StepBench:
         return time_cuda_ms(lambda: runner.forward(fb, use_graphs=use_graphs), 3, repeat)
 
 
+def profile_decode(bench: StepBench, steps: list[StepRequest]) -> None:
+    """GPU time per kernel of one eager decode step (the graph replays the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        bench.step(steps, use_graphs=False)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        bench.step(steps, use_graphs=False)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
     parser.add_argument("--json", help="report path (default docs/perf/model_step_<gpu>.json)")
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
+    parser.add_argument(
+        "--profile", action="store_true", help="print the GPU kernels of a batch-1 decode step"
+    )
     args = parser.parse_args()
     repeat = 5 if args.quick else 20
     device = torch.device("cuda")
@@ -187,6 +201,9 @@ def main() -> None:
         "gemm_tflops": round(gemm, 1),
         "weight_bytes": shape.weight_bytes,
     }
+
+    if args.profile:
+        profile_decode(bench, bench.decode_steps(1))
 
     decode_rows, labels, ratios = [], [], []
     for batch in DECODE_BATCHES:
