@@ -1,6 +1,7 @@
 """KV hand-off between two GPUs through the NCCL transport, against raw NCCL send/recv.
 
-    python benchmarks/kv_transfer.py [--tokens 4096] [--repeat 10] [--json [PATH]]
+    python benchmarks/kv_transfer.py [--tokens 4096] [--repeat 10] [--layer-gap-us 0 500]
+        [--json [PATH]]
 
 Two Ray actors, one GPU each (each sees only its own, as a Serve replica does;
 --all-gpus-visible for both), hold a Qwen3-8B-shaped KV cache (36 layers,
@@ -15,7 +16,11 @@ its compute).
   (``_finish_incoming``, receiver). Both actors read the host's monotonic
   clock. Effective GB/s counts gather, send, receive and scatter. Rows for
   several ``layers_per_message`` m (1 = per layer; more = coalesced, in
-  messages of 1, 2, 4, ... up to m layers).
+  messages of 1, 2, 4, ... up to m layers and back down, ``message_plan``).
+- one by one (--layer-gap-us G > 0): the sender's compute stream sleeps G us
+  before each layer, as if computing it (send_layer is called as each layer is
+  queued, as in serving). "tail" is the time from the end of the last layer's
+  compute to the receiver having it all: what a prefill's TTFT pays.
 - raw NCCL (the baseline, same actors, same run): send/recv of the same bytes
   between preallocated buffers, the receives posted first; one message of all
   the bytes, and the transport's message pattern.
@@ -49,12 +54,8 @@ import torch
 
 from splitserve.workers.kv_cache import KVCache, KVCacheSpec
 from splitserve.workers.kv_transfer.cpu_transport import CpuKVTransport
-from splitserve.workers.kv_transfer.nccl_transport import (
-    NcclKVTransport,
-    communicator,
-    message_layers,
-    unique_id,
-)
+from splitserve.workers.kv_transfer.nccl_pair import communicator, message_plan, unique_id
+from splitserve.workers.kv_transfer.nccl_transport import NcclKVTransport
 from splitserve.workers.kv_transfer.ticket import TransferDone, TransferTicket, token_slots
 
 LAYERS, HEADS, DIM = 36, 8, 128  # Qwen3-8B
@@ -106,6 +107,7 @@ class Worker:
         }
         self.cpu_tokens = cpu_tokens
         self.raw = None
+        self.sleep_cycles_per_us = self._calibrate_sleep()
 
     # ---- set-up --------------------------------------------------------------
 
@@ -135,16 +137,41 @@ class Worker:
         t.expect(ticket)
         return ticket.pack()
 
-    def send(self, kind: str, ticket: bytes) -> float:
-        """Send every layer; return the sender's clock just before the first layer."""
+    def send(self, kind: str, ticket: bytes, gap_us: float = 0) -> tuple[float, float]:
+        """Send every layer, each after a compute-stream sleep of ``gap_us``; return the
+        sender's clock just before the first layer and when the last sleep ended."""
         t, ticket = self.transports[kind], TransferTicket.unpack(ticket)
         t.start_send(ticket, self.blocks)
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        for layer in range(LAYERS):
-            t.send_layer(ticket.request_id, layer)
+        with torch.cuda.device(self.device):
+            for layer in range(LAYERS):
+                if gap_us:
+                    torch.cuda._sleep(int(gap_us * self.sleep_cycles_per_us))
+                t.send_layer(ticket.request_id, layer)
+            computed = torch.cuda.Event()
+            computed.record()
         t.finish_send(ticket.request_id, TransferDone(ticket.request_id, 1))
-        return start
+        if not gap_us:
+            return start, start
+        while not computed.query():
+            time.sleep(0)
+        return start, time.perf_counter()
+
+    def _calibrate_sleep(self) -> float:
+        """GPU clock cycles per microsecond of ``torch.cuda._sleep``."""
+        cycles = 20_000_000
+        with torch.cuda.device(self.device):
+            times = []
+            for _ in range(3):
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record()
+                torch.cuda._sleep(cycles)
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end) * 1e3)
+        return cycles / median(times)
 
     def finished(
         self, kind: str, rid: str, timeout: float = 60.0
@@ -184,9 +211,9 @@ class Worker:
     def copy_alone_ms(self, op: str, fused: bool, repeat: int = 5) -> float:
         """GPU time of the transport's gather (or scatter) of every layer, no transfer."""
         t = self.transports["nccl"]
-        if fused and t._fused is None:
+        if fused and t._kernel is None:
             return float("nan")  # the kernels did not compile here
-        slots, layers = self._slots(self.tokens), list(range(LAYERS))
+        slots = self._slots(self.tokens)
         buf = torch.empty((LAYERS, 2, self.tokens, HEADS, DIM), dtype=DTYPE, device=self.device)
         copy = t.gather if op == "gather" else t.scatter
         t.fused_copy, times = fused, []
@@ -195,7 +222,7 @@ class Worker:
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 start.record()
-                copy(layers, slots, buf)
+                copy(0, slots, buf)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end))
@@ -203,7 +230,7 @@ class Worker:
         return median(times[2:])
 
     def set_fused_copy(self, fused: bool) -> None:
-        self.transports["nccl"].fused_copy = fused
+        self.transports["nccl"].fused_copy = fused  # raises where the kernels did not compile
 
     # ---- raw NCCL --------------------------------------------------------------
 
@@ -272,25 +299,27 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
 # ---- driver ----------------------------------------------------------------------
 
 
-def time_transport(sender, receiver, kind: str, tag: str, warmup: int, repeat: int):
-    """Median seconds of one hand-off, and whether the last one arrived intact."""
-    times = []
+def time_transport(sender, receiver, kind: str, tag: str, warmup: int, repeat: int, gap_us=0):
+    """Median seconds of one hand-off and of its tail after the last layer's compute, and
+    whether the last one arrived intact."""
+    times, tails = [], []
     for i in range(warmup + repeat):
         last = i == warmup + repeat - 1
         if last:
             ray.get(receiver.clear.remote(ray.get(receiver.num_tokens.remote(kind))))
         rid = f"{tag}-{i}"
         ticket = ray.get(receiver.expect.remote(kind, rid))
-        start = ray.get(sender.send.remote(kind, ticket))
+        start, computed = ray.get(sender.send.remote(kind, ticket, gap_us))
         ok, error, end = ray.get(receiver.finished.remote(kind, rid))
         sent_ok, sent_error, _ = ray.get(sender.finished.remote(kind, rid))
         if not (ok and sent_ok):
             raise RuntimeError(f"{rid} failed: receiver {error!r}, sender {sent_error!r}")
         if i >= warmup:
             times.append(end - start)
+            tails.append(end - computed)
     tokens = ray.get(receiver.num_tokens.remote(kind))
     intact = ray.get(sender.checksums.remote(tokens)) == ray.get(receiver.checksums.remote(tokens))
-    return median(times), intact
+    return median(times), median(tails), intact
 
 
 def time_raw(sender, receiver, sizes: list[int], warmup: int, repeat: int) -> float:
@@ -325,7 +354,14 @@ def main() -> None:
     ap.add_argument("--cpu-tokens", type=int, default=1024, help="0 skips the CPU transport")
     ap.add_argument("--send-block-size", type=int, default=16)
     ap.add_argument("--recv-block-size", type=int, default=32)
-    ap.add_argument("--layers-per-message", type=int, nargs="+", default=[1, 2, 4, 8, 12, 36])
+    ap.add_argument("--layers-per-message", type=int, nargs="+", default=[1, 4, 8, 16, 36])
+    ap.add_argument(
+        "--layer-gap-us",
+        type=float,
+        nargs="+",
+        default=[0],
+        help="compute-stream sleep before each layer; 0 = all layers ready at once",
+    )
     ap.add_argument(
         "--all-gpus-visible",
         action="store_true",
@@ -338,7 +374,7 @@ def main() -> None:
         "--torch-copy-layers-per-message",
         type=int,
         nargs="*",
-        default=[1, 12],
+        default=[8],
         help="rows with the torch gather/scatter instead of the fused kernels",
     )
     ap.add_argument("--warmup", type=int, default=3)
@@ -381,23 +417,27 @@ def main() -> None:
     }
 
     rows = []
-    modes = [(m, "fused") for m in args.layers_per_message]
-    modes += [(m, "torch") for m in args.torch_copy_layers_per_message]
-    for m, copy in modes:
+    modes = [(m, "fused", gap) for gap in args.layer_gap_us for m in args.layers_per_message]
+    modes += [(m, "torch", 0) for m in args.torch_copy_layers_per_message]
+    for m, copy, gap in modes:
         ray.get(sender.set_layers_per_message.remote(m))
         ray.get([side.set_fused_copy.remote(copy == "fused") for side in (sender, receiver)])
-        sizes, sent = [], 0
-        while sent < LAYERS:  # the transport's message pattern
-            sizes.append(message_layers(m, sent, LAYERS - sent) * layer_bytes)
-            sent += sizes[-1] // layer_bytes
-        seconds, intact = time_transport(sender, receiver, "nccl", f"nccl-m{m}-{copy}", w, r)
+        sizes = [n * layer_bytes for _, n in message_plan(m, LAYERS)]
+        tag = f"nccl-m{m}-{copy}-g{gap:g}"
+        seconds, tail, intact = time_transport(sender, receiver, "nccl", tag, w, r, gap)
         raw_same = time_raw(sender, receiver, sizes, w, r)
-        print(f"m={m} {copy}: {seconds * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms", flush=True)
+        print(
+            f"m={m} {copy} gap={gap:g}us: {seconds * 1e3:.3f} ms, tail {tail * 1e3:.3f} ms, "
+            f"raw {raw_same * 1e3:.3f} ms",
+            flush=True,
+        )
         rows.append(
             {
                 "transport": "nccl",
                 "copy": copy,
                 "layers_per_message": m,
+                "layer_gap_us": gap,
+                "tail_ms": round(tail * 1e3, 3) if gap else None,
                 "messages": len(sizes),
                 "max_message_mb": round(max(sizes) / 1e6, 1),
                 "tokens": args.tokens,
@@ -412,12 +452,14 @@ def main() -> None:
         )
     if args.cpu_tokens:
         cpu_bytes = LAYERS * 2 * args.cpu_tokens * HEADS * DIM * elem
-        seconds, intact = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
+        seconds, _, intact = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
         rows.append(
             {
                 "transport": "cpu",
                 "copy": "torch",
                 "layers_per_message": 1,
+                "layer_gap_us": 0,
+                "tail_ms": None,
                 "messages": LAYERS,
                 "max_message_mb": round(cpu_bytes / LAYERS / 1e6, 1),
                 "tokens": args.cpu_tokens,
@@ -443,19 +485,19 @@ def main() -> None:
         print(f"{op} alone, all layers, {copy}: {ms:.3f} ms ({total / ms / 1e6:.0f} GB/s each way)")
     print()
     head = (
-        f"{'transport':<9} {'copy':<5} {'layers/msg':>10} {'msgs':>4} {'max MB':>7} "
-        f"{'tokens':>6} {'MB':>7} {'ms':>8} {'GB/s':>7} {'raw same':>8} {'raw one':>8} "
-        f"{'ratio':>6} {'intact':>6}"
+        f"{'transport':<9} {'copy':<5} {'layers/msg':>10} {'gap us':>6} {'msgs':>4} "
+        f"{'max MB':>7} {'tokens':>6} {'MB':>7} {'ms':>8} {'tail ms':>7} {'GB/s':>7} "
+        f"{'raw same':>8} {'raw one':>8} {'ratio':>6} {'intact':>6}"
     )
     print(head)
     print("-" * len(head))
     for row in rows:
-        same = row["raw_same_messages_gbps"]
+        same, tail = row["raw_same_messages_gbps"], row["tail_ms"]
         print(
             f"{row['transport']:<9} {row['copy']:<5} {row['layers_per_message']:>10} "
-            f"{row['messages']:>4} {row['max_message_mb']:>7.1f} {row['tokens']:>6} "
-            f"{row['bytes'] / 1e6:>7.1f} "
-            f"{row['median_ms']:>8.3f} {row['effective_gbps']:>7.1f} "
+            f"{row['layer_gap_us']:>6g} {row['messages']:>4} {row['max_message_mb']:>7.1f} "
+            f"{row['tokens']:>6} {row['bytes'] / 1e6:>7.1f} {row['median_ms']:>8.3f} "
+            f"{'-' if tail is None else f'{tail:.3f}':>7} {row['effective_gbps']:>7.1f} "
             f"{'-' if same is None else f'{same:.1f}':>8} {row['raw_one_message_gbps']:>8.1f} "
             f"{row['ratio_to_raw']:>6.3f} {str(row['intact']):>6}"
         )
@@ -483,6 +525,7 @@ def main() -> None:
                 "head_dim": DIM,
                 "dtype": "bfloat16",
                 "send_block_size": args.send_block_size,
+                "layer_gap_us": args.layer_gap_us,
                 "recv_block_size": args.recv_block_size,
                 "warmup": w,
                 "repeat": r,

@@ -189,3 +189,36 @@ def test_layout_mismatch_is_a_clear_error(pair):
 def test_ticket_round_trips_through_msgpack():
     t = TransferTicket("r", "10.0.0.1:5000", [1, 2], 16, 3, 20, 36, KVLayout(8, 128, "bfloat16"))
     assert TransferTicket.unpack(t.pack()) == t
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, 8, 36, 64])
+@pytest.mark.parametrize("num_layers", [0, 1, 4, 36, 61])
+def test_nccl_message_plan_covers_every_layer_once_in_order(cap, num_layers):
+    from splitserve.workers.kv_transfer.nccl_pair import message_plan
+
+    plan = message_plan(cap, num_layers)
+    layers = [first + j for first, n in plan for j in range(n)]
+    assert layers == list(range(num_layers))
+    assert all(1 <= n <= cap for _, n in plan)
+    if num_layers >= 2:  # the first gather and the last scatter are one layer's
+        assert plan[0][1] == 1 and plan[-1][1] == 1
+
+
+def test_nccl_message_plan_grows_then_shrinks():
+    from splitserve.workers.kv_transfer.nccl_pair import message_plan
+
+    assert [n for _, n in message_plan(8, 36)] == [1, 2, 4, 8, 8, 6, 4, 2, 1]
+    assert [n for _, n in message_plan(1, 3)] == [1, 1, 1]
+    with pytest.raises(ValueError, match="at least 1"):
+        message_plan(0, 36)
+
+
+def test_an_unknown_frame_kind_ends_the_connection(pair):
+    sender, receiver = pair
+    ticket = receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS)
+    receiver.expect(ticket)
+    sender.start_send(ticket, [3])
+    sender.send_layer("r1", 0)  # ties the transfer to the connection
+    sender._outgoing["r1"].peer.post({"kind": "bogus", "request_id": "r1"})
+    (event,) = _wait(receiver)
+    assert not event.ok and "went away" in event.error and "bogus" in event.error

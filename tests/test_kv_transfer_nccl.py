@@ -31,6 +31,7 @@ from splitserve.workers.kv_transfer.ticket import (  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 NUM_LAYERS, HEADS, DIM = 4, 4, 64
+DEFAULT_LAYERS_PER_MESSAGE = 8
 STALL_CYCLES = 4_000_000_000  # about 2 s of GPU clock
 
 
@@ -64,8 +65,10 @@ class Side:
         self.transport.layers_per_message = n
 
     def set_fused_copy(self, fused: bool) -> bool:
+        if self.transport._kernel is None:
+            return False  # the kernels did not compile
         self.transport.fused_copy = fused
-        return self.transport._fused is not None  # the kernels compiled
+        return True
 
     def expect(self, rid: str, block_ids: list[int], start: int, num_tokens: int) -> bytes:
         ticket = self.transport.make_ticket(rid, block_ids, start, num_tokens, NUM_LAYERS)
@@ -85,6 +88,17 @@ class Side:
             self.transport.send_layer(t.request_id, layer)
         if finish:
             self.transport.finish_send(t.request_id, TransferDone(t.request_id, first))
+
+    def send_together(self, tickets: list[bytes], src_blocks: list[list[int]], layers: int):
+        """Start several transfers, then send their layers interleaved, as one step does."""
+        tickets = [TransferTicket.unpack(t) for t in tickets]
+        for t, blocks in zip(tickets, src_blocks):
+            self.transport.start_send(t, blocks)
+        for layer in range(layers):
+            for t in tickets:
+                self.transport.send_layer(t.request_id, layer)
+        for i, t in enumerate(tickets):
+            self.transport.finish_send(t.request_id, TransferDone(t.request_id, i))
 
     def cancel(self, rid: str) -> None:
         self.transport.cancel(rid)
@@ -170,7 +184,7 @@ def _assert_arrived(sender, receiver, src, dst, start, num_tokens):
 
 
 @pytest.mark.parametrize("copy", ["fused", "torch"])
-@pytest.mark.parametrize("layers_per_message", [1, 3])
+@pytest.mark.parametrize("layers_per_message", [1, 3, 8])
 @pytest.mark.parametrize("direction", ["16->32", "32->16"])
 def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_per_message, copy):
     sender, receiver = sides if direction == "16->32" else sides[::-1]
@@ -198,7 +212,7 @@ def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_p
     assert torch.equal(before[:, :, keep], after[:, :, keep])
     assert not torch.equal(before[:, :, written], after[:, :, written])
     assert ray.get(sender.in_flight.remote()) == 0 and ray.get(receiver.in_flight.remote()) == 0
-    ray.get(sender.set_layers_per_message.remote(1))
+    ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
     for side in sides:
         ray.get(side.set_fused_copy.remote(True))
 
@@ -213,7 +227,55 @@ def test_many_transfers_in_a_row_stay_ordered(sides):
     assert all(e[2] for e in ray.get(sender.events.remote(12)))
     for i in range(12):
         _assert_arrived(sender, receiver, [1 + 2 * i, 2 + 2 * i], [30 + i], 0, 32)
-    ray.get(sender.set_layers_per_message.remote(1))
+    ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
+
+
+@pytest.mark.parametrize("layers_per_message", [1, 2])
+def test_transfers_started_together_share_the_pair_in_announce_order(sides, layers_per_message):
+    sender, receiver = sides
+    ray.get(sender.set_layers_per_message.remote(layers_per_message))
+    # Different lengths, so mismatched NCCL messages would not line up in size either.
+    specs = [([40 + 3 * i], [60 + 4 * i, 61 + 4 * i, 62 + 4 * i], 20 + 10 * i) for i in range(3)]
+    tickets = [
+        ray.get(receiver.expect.remote(f"together{layers_per_message}-{i}", dst, 0, n))
+        for i, (dst, _, n) in enumerate(specs)
+    ]
+    ray.get(sender.send_together.remote(tickets, [src for _, src, _ in specs], NUM_LAYERS))
+    events = ray.get(receiver.events.remote(3))
+    assert sorted(e[4] for e in events) == [0, 1, 2] and all(e[2] for e in events), events
+    assert all(e[2] for e in ray.get(sender.events.remote(3)))
+    for dst, src, n in specs:
+        _assert_arrived(sender, receiver, src, dst, 0, n)
+    ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
+
+
+def test_missing_layers_fail_the_transfer_and_the_pair_stays_in_step(sides):
+    sender, receiver = sides
+    ticket = ray.get(receiver.expect.remote("ml", [1, 2], 0, 50))
+    ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=[0, 1]))  # then "done"
+    ((_, _, ok, error, _),) = ray.get(receiver.events.remote())
+    assert not ok and f"received 2 of {NUM_LAYERS} KV layers" in error, error
+    ((_, _, ok, _, _),) = ray.get(sender.events.remote())
+    assert not ok
+    _hand_off(sender, receiver, "ml-next", [7, 8], [9], 0, 32)
+    assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
+    assert [e[2] for e in ray.get(sender.events.remote())] == [True]
+    _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
+
+
+def test_a_transfer_cancelled_before_its_announce_goes_into_scratch(sides):
+    sender, receiver = sides
+    ticket = ray.get(receiver.expect.remote("early", [1, 2], 0, 50))
+    ray.get(receiver.cancel.remote("early"))
+    before = ray.get(receiver.snapshot.remote())
+    ray.get(sender.send.remote(ticket, [3, 4, 5, 6]))
+    ((_, _, ok, error, _),) = ray.get(sender.events.remote())
+    assert not ok and "no longer expects" in error
+    assert torch.equal(before, ray.get(receiver.snapshot.remote()))  # nothing scattered
+    _hand_off(sender, receiver, "early-next", [7, 8], [9], 0, 32)
+    assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
+    assert [e[2] for e in ray.get(sender.events.remote())] == [True]
+    _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
 
 
 def test_receiver_cancel_nacks_the_sender_and_the_pair_stays_in_step(sides):
@@ -222,9 +284,12 @@ def test_receiver_cancel_nacks_the_sender_and_the_pair_stays_in_step(sides):
     ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=[0], finish=False))
     time.sleep(0.2)
     ray.get(receiver.cancel.remote("rc"))
+    before = ray.get(receiver.snapshot.remote())
     ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=range(1, NUM_LAYERS), start=False))
     ((_, _, ok, error, _),) = ray.get(sender.events.remote())
     assert not ok and "no longer expects" in error
+    # The receives queued at the announce took the later layers; their scatters wrote nothing.
+    assert torch.equal(before, ray.get(receiver.snapshot.remote()))
     assert ray.get(receiver.events.remote(timeout=0.5)) == []  # a cancel here reports nothing
     # The layers that went on after the cancel were received into scratch: the next
     # transfer on the same communicator still lines up.

@@ -19,9 +19,11 @@ transfer not finished within ``timeout_s`` fails. Failures come out of
 frees the blocks and ends the request with that error.
 
 All frames between two workers go over one TCP connection per ordered pair,
-written by one writer thread, so frames for a peer stay in order. Subclasses
-move the layer data: ``CpuKVTransport`` in the frames themselves,
-``NcclKVTransport`` over NCCL with the frames as headers.
+written by one writer thread, so frames for a peer stay in order (a subclass may
+write a frame from the calling thread when nothing queued can be behind it, as
+the NCCL transport's "hello" and "announce" do). Subclasses move the layer data:
+``CpuKVTransport`` in "layer" frames, ``NcclKVTransport`` over NCCL, with one
+"announce" frame per transfer instead of layer frames.
 """
 
 from __future__ import annotations
@@ -217,6 +219,8 @@ class KVTransport(ABC):
             inc = self._incoming.pop(request_id, None)
             if inc is not None:
                 self._release_incoming(inc)
+            if out is not None:
+                self._release_outgoing(out)
         peer = out.peer if out is not None else None
         if peer is None and ticket is not None:
             with contextlib.suppress(OSError):
@@ -276,6 +280,13 @@ class KVTransport(ABC):
     def _release_incoming(self, inc: Incoming) -> None:
         """The engine is about to free ``inc``'s blocks: no write may still be in flight."""
 
+    def _release_outgoing(self, out: Outgoing) -> None:
+        """``out`` ended (acked, failed or cancelled); caller holds the lock."""
+
+    def _on_frame(self, conn: Connection, header: dict[str, Any]) -> None:
+        """A frame of a kind the base does not handle."""
+        raise ConnectionError(f"unknown KV frame kind {header['kind']!r}")
+
     def _on_connect(self, peer: Peer, ticket: TransferTicket) -> None:
         """A new outgoing connection, before any frame (NCCL creates its communicator here)."""
 
@@ -327,6 +338,7 @@ class KVTransport(ABC):
             out = self._outgoing.pop(rid, None)
             if out is None:
                 return
+            self._release_outgoing(out)
             if header["ok"]:
                 self.num_sent += 1
                 self.bytes_sent += self.transfer_bytes(out.ticket)
@@ -375,6 +387,8 @@ class KVTransport(ABC):
                     self._on_cancel(header["request_id"])
                 elif kind == "hello":
                     self._on_hello(conn, header)
+                else:
+                    self._on_frame(conn, header)
         except OSError as e:
             self._on_disconnect(conn)
             with self._lock:
@@ -427,6 +441,8 @@ class KVTransport(ABC):
             return
         if isinstance(t, Incoming):
             self._release_incoming(t)
+        else:
+            self._release_outgoing(t)
         logger.warning("KV transfer of %s failed: %s", request_id, error)
         self._add_event(TransferEvent(request_id, side, False, error))
 

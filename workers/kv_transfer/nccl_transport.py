@@ -1,9 +1,11 @@
 """KV transport over NCCL: one 2-rank communicator per (prefill sender, decode receiver) pair.
 
-The control frames (hello, layer headers, done, ack, cancel) travel over the
-base class's TCP connection; the layer bytes travel over NCCL, matched to the
-headers by order: a pair's sends and receives are issued in header order on
-both sides.
+The control frames (hello, announce, done, ack, cancel) travel over the base
+class's TCP connection; the KV bytes travel over NCCL, one message per group of
+layers (``nccl_pair.message_plan``). A transfer sends no frame per layer: its
+"announce" frame, written at ``start_send`` (before the prefill computes),
+carries its message plan, and the receiver queues every receive and scatter of
+the transfer at once. The layers then flow with no CPU work on the receiver.
 
 Making a pair (the first ``start_send`` from a sender to a receiver)::
 
@@ -16,33 +18,31 @@ Making a pair (the first ``start_send`` from a sender to a receiver)::
 ``rendezvous`` is the caller's: in serving it calls the decode worker that
 ``ticket.owner`` names, which calls ``join``; ``join`` returns at once.
 
-Moving layers (each pair has an NCCL stream and a copy stream, on both sides)::
+One transfer (per side, a ring of two staging buffers; CUDA events order them)::
 
-    sender    per message: the copy stream waits on the compute stream and one
-              kernel gathers the message's layers ([layers, 2, tokens, heads,
-              head_dim], K then V) into a staging buffer; the header frames go
-              out; the NCCL stream waits for the gather and sends
-    receiver  on the message's first header: the NCCL stream receives into a
-              staging buffer, then one kernel on the copy stream scatters it
-              into the ticket's slots
+    sender                                       receiver
+    start_send: "announce" {plan}   -- TCP -->   _on_announce: for each message i,
+                                                   recv i   (NCCL stream; waits scatter i-2)
+                                                   scatter i (copy stream; waits recv i)
+    send_layer: when message i's layers are in:
+      gather i  (copy stream; waits the compute stream and send i-2)
+      send i    (NCCL stream; waits gather i)
+    finish_send: "done" {layers}    -- TCP -->   _on_done: wait for the last scatter, "ack"
 
-Streams are per pair, not per transport: a receive waiting for its sender must
-not hold up another pair's (two senders and two receivers sharing one stream
-each could wait on each other for ever). The compute stream never waits for
-the transport, so layers move while later layers compute.
+So gather i+1 runs during send i, and scatter i during recv i+1; the host never
+waits on the hot path. Streams are per pair, not per transport: a receive
+waiting for its sender must not hold up another pair's. The compute stream
+never waits for the transport.
 
-``layers_per_message`` > 1 coalesces up to that many layers into one NCCL
-message (fewer, larger messages run nearer the link's peak; worth it when many
-layers are ready at once, not when each layer waits for its compute): a
-transfer's messages hold 1, 2, 4, ... layers up to that cap, so its first send
-starts at once. The first header of a message carries ``chunk`` (its layer
-ids) and ``nbytes``; the others carry no data. Headers of a cancelled or
-unknown request still receive (into scratch), so every send finds its receive
-and the pair stays in step.
-
-Staging buffers come from the caching allocator: each is allocated on the
-stream that writes it and ``record_stream``-ed on the one that reads it, so
-the allocator reuses it only after its send (or scatter) has completed.
+NCCL matches a pair's sends and receives by order, so both sides keep the
+announce order: the sender queues a transfer's sends only after every send of
+the transfers announced before it on the pair (``Pair.sending``), and every
+announced message is sent. A transfer that ends early (cancelled, failed,
+finished with layers missing) sends the rest of its plan from its staging
+buffers as filler, and a receiver that does not expect a transfer receives it
+into scratch. A receiver that drops a transfer clears its ``live`` flag, which
+the scatter kernel reads when it starts: scatters not yet run write nothing,
+and it waits only for a scatter that may be running.
 
 Failure: a communicator whose peer died cannot be reused (its pending kernels
 never finish). It is aborted (``comm.abort()`` ends them), dropped, and its TCP
@@ -66,14 +66,22 @@ from typing import Any
 
 import torch
 
+from splitserve.kernels.kv_gather import gather_kv, scatter_kv
+from splitserve.kernels.kv_gather_cuda import KVGatherKernel
 from splitserve.workers.kv_cache import KVCache
 from splitserve.workers.kv_transfer.base import Incoming, KVTransport, Outgoing, Peer, TransferState
 from splitserve.workers.kv_transfer.framing import Connection
+from splitserve.workers.kv_transfer.nccl_pair import (
+    Pair,
+    communicator,
+    message_plan,
+    unique_id,
+    wait_event,
+)
 from splitserve.workers.kv_transfer.ticket import TransferDone, TransferTicket
 
 try:
     import cupy
-    import numpy
     from cupy.cuda import nccl
 except ImportError as e:  # pragma: no cover - machines without cupy
     raise ImportError(
@@ -85,29 +93,32 @@ logger = logging.getLogger(__name__)
 Rendezvous = Callable[[TransferTicket, str, bytes], Any]
 
 _WARMUP_BYTES = 32 << 20  # the first send/recv of a pair connects its channels
-_SPIN_S = 0.02  # how long a wait spins on an event before it sleeps between queries
+_RING = 2  # staging buffers per transfer and side: message i reuses i - 2's
 
 
 @dataclass(eq=False)
-class _Pair:
-    """This side of one 2-rank communicator, and the streams that use it."""
+class _Send:
+    """The sender's progress through one transfer's plan (``Outgoing.extra["send"]``)."""
 
-    key: str
-    comm: Any  # nccl.NcclCommunicator
-    peer_rank: int
-    nccl_stream: torch.cuda.Stream
-    copy_stream: torch.cuda.Stream  # gather (sender) or scatter (receiver)
-    conn: Connection | None = None  # its control connection
-    aborted: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)  # NCCL calls vs abort
+    pair: Pair
+    plan: list[tuple[int, int]]  # (first layer, layers) per message
+    layer_bytes: int
+    compute: torch.cuda.Stream  # where the layers are computed (send_layer's stream)
+    ready: int = 0  # layers passed to send_layer
+    issued: int = 0  # messages whose send is queued
+    dropped: bool = False  # the rest of the plan goes out as filler
+    ring: list[torch.Tensor] = field(default_factory=list)  # staging, flat uint8
+    sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None] * _RING)
 
 
-@dataclass
-class _Chunk:
-    """The layers of one NCCL message that is not sent yet."""
+@dataclass(eq=False)
+class _Recv:
+    """The receives and scatters queued for one transfer (``Incoming.extra["recv"]``)."""
 
-    capacity: int
-    headers: list[dict[str, Any]] = field(default_factory=list)
+    pair: Pair
+    live: torch.Tensor | None  # int32 flag the scatter kernel reads; None: torch copies
+    received: list[torch.cuda.Event] = field(default_factory=list)  # per message
+    scattered: list[torch.cuda.Event] = field(default_factory=list)  # per message
 
 
 class NcclKVTransport(KVTransport):
@@ -120,23 +131,23 @@ class NcclKVTransport(KVTransport):
         timeout_s: float = 60.0,
         owner: str = "",
         rendezvous: Rendezvous | None = None,
-        layers_per_message: int = 1,
+        layers_per_message: int = 8,
         fused_copy: bool = True,
     ):
-        if layers_per_message < 1:
-            raise ValueError(f"layers_per_message must be at least 1, got {layers_per_message}")
+        message_plan(layers_per_message, 1)  # raises on a bad value
         self.rendezvous = rendezvous  # needed to send; a receive-only worker may leave it None
-        self.layers_per_message = layers_per_message  # sender side; receivers follow headers
-        self._send_pairs: dict[Peer, _Pair] = {}
-        self._recv_pairs: list[_Pair] = []
-        self._joined: dict[str, _Pair | Exception] = {}  # by pair key, until its hello
+        self.layers_per_message = layers_per_message  # sender side; receivers follow the plan
+        self._send_pairs: dict[Peer, Pair] = {}
+        self._recv_pairs: list[Pair] = []
+        self._joined: dict[str, Pair | Exception] = {}  # by pair key, until its hello
         self._joined_cv = threading.Condition()
         # Each accepted connection has its own serve thread (base._serve_peer):
         # the pair of the connection a thread serves is thread-local.
         self._local = threading.local()
         super().__init__(kv_cache, host=host, timeout_s=timeout_s, owner=owner)
-        self.fused_copy = fused_copy and _FusedCopy.supports(kv_cache)
-        self._fused = _FusedCopy.build(kv_cache) if self.fused_copy else None
+        self._kernel = KVGatherKernel.build(kv_cache.k, kv_cache.v)
+        self._fused_copy = fused_copy and self._kernel is not None
+        self._flag_stream = torch.cuda.Stream(self.device)  # live flags: never waits on others
 
     # ---- making pairs ---------------------------------------------------------
 
@@ -145,7 +156,7 @@ class NcclKVTransport(KVTransport):
 
         def run() -> None:
             try:
-                pair: _Pair | Exception = self._make_pair(pair_key, unique_id, rank=1)
+                pair: Pair | Exception = self._make_pair(pair_key, unique_id, rank=1)
             except Exception as e:
                 logger.warning("joining NCCL communicator %s failed: %s", pair_key, e)
                 pair = e
@@ -171,11 +182,17 @@ class NcclKVTransport(KVTransport):
             peer.conn.close()
             raise
         pair.conn = peer.conn
+        try:
+            # Written here, not queued: the writer thread starts after this returns, and
+            # the announce frames (also written directly) must come after the hello.
+            peer.conn.send({"kind": "hello", "pair": key})
+        except OSError as e:
+            self._abort(pair, f"the hello frame could not be sent: {e}")  # closes the conn
+            raise
         with self._lock:
             self._send_pairs[peer] = pair
-        peer.post({"kind": "hello", "pair": key})
 
-    def _connect_rank0(self, key: str, uid: bytes) -> _Pair:
+    def _connect_rank0(self, key: str, uid: bytes) -> Pair:
         """Rank 0 blocks until rank 1 is in: do it in a thread, bounded by the timeout."""
         box: dict[str, Any] = {}
         gave_up = threading.Event()
@@ -197,22 +214,20 @@ class NcclKVTransport(KVTransport):
                 f"NCCL communicator {key}: the receiver did not join within {self.timeout_s:.0f} s"
             )
         if "error" in box:
-            raise ConnectionError(f"NCCL communicator {key} failed: {box['error']}") from box[
-                "error"
-            ]
+            error = box["error"]
+            raise ConnectionError(f"NCCL communicator {key} failed: {error}") from error
         return box["pair"]
 
-    def _make_pair(self, key: str, uid: bytes, rank: int) -> _Pair:
+    def _make_pair(self, key: str, uid: bytes, rank: int) -> Pair:
         device = self.device
         with cupy.cuda.Device(device.index):
             comm = communicator(uid, rank)
-        pair = _Pair(key, comm, 1 - rank, torch.cuda.Stream(device), torch.cuda.Stream(device))
+        pair = Pair(key, comm, 1 - rank, torch.cuda.Stream(device), torch.cuda.Stream(device))
         # NCCL connects a pair's channels during its first send/recv, with both
         # ranks in the call: do that here, not under the first real transfer.
         with torch.cuda.stream(pair.nccl_stream):
             warm = torch.zeros(_WARMUP_BYTES, dtype=torch.uint8, device=device)
-            op = comm.send if rank == 0 else comm.recv
-            op(warm.data_ptr(), _WARMUP_BYTES, nccl.NCCL_UINT8, pair.peer_rank, _ptr(pair))
+        (pair.send if rank == 0 else pair.recv)(warm, _WARMUP_BYTES)
         pair.nccl_stream.synchronize()
         return pair
 
@@ -237,183 +252,285 @@ class NcclKVTransport(KVTransport):
 
     # ---- sender ---------------------------------------------------------------
 
-    def _send_layer_data(self, out: Outgoing, header: dict[str, Any]) -> None:
-        pair = out.extra.get("pair")
-        if pair is None:
-            with self._lock:
-                pair = self._send_pairs.get(out.peer)
+    def start_send(self, ticket: TransferTicket, src_block_ids: list[int]) -> None:
+        """Open the transfer and announce its plan, so the receiver queues its receives now."""
+        super().start_send(ticket, src_block_ids)
+        rid = ticket.request_id
+        with self._lock:
+            out = self._outgoing[rid]
+            pair = self._send_pairs.get(out.peer)
+        try:
             if pair is None:
-                return  # the connection is gone: the transfer has failed already
-            out.extra["pair"] = pair
-        chunk = out.extra.get("chunk")
-        if chunk is None:
-            # Messages grow 1, 2, 4, ... up to layers_per_message, so the first send
-            # starts at once when many layers are ready together.
-            remaining = out.ticket.num_layers - header["layer"]
-            n = message_layers(self.layers_per_message, out.layers_sent, remaining)
-            chunk = out.extra["chunk"] = _Chunk(n)
-        chunk.headers.append(header)
-        if len(chunk.headers) == chunk.capacity:
-            self._flush(out)
+                raise ConnectionError(f"the NCCL communicator with {ticket.address} is gone")
+            self._announce(out, pair)
+        except BaseException:
+            with self._lock:
+                self._outgoing.pop(rid, None)
+            raise
+
+    def _announce(self, out: Outgoing, pair: Pair) -> None:
+        t = out.ticket
+        plan = message_plan(self.layers_per_message, t.num_layers)
+        layer_bytes = self.transfer_bytes(t) // max(t.num_layers, 1)
+        compute = torch.cuda.current_stream(self.device)
+        out.extra["send"] = _Send(pair, plan, layer_bytes, compute)
+        out.src_slots.record_stream(pair.copy_stream)
+        header = {"kind": "announce", "request_id": t.request_id, "layer_bytes": layer_bytes}
+        header["messages"] = [list(m) for m in plan]
+        with pair.lock:  # the queue and the wire see the same order
+            if pair.aborted:
+                raise ConnectionError(f"NCCL communicator {pair.key} was aborted")
+            pair.conn.send(header)
+            pair.sending.append(out)
+
+    def _send_layer_data(self, out: Outgoing, header: dict[str, Any]) -> None:
+        send: _Send = out.extra["send"]
+        if header["layer"] != send.ready:
+            raise ValueError(
+                f"send_layer({out.ticket.request_id!r}, {header['layer']}): the nccl KV "
+                f"transport sends layers in order, the next is {send.ready}"
+            )
+        send.ready += 1
+        send.compute = torch.cuda.current_stream(self.device)
+        self._pump(send.pair)
 
     def finish_send(self, request_id: str, done: TransferDone) -> None:
         with self._lock:
             out = self._outgoing.get(request_id)
         if out is not None and out.state == TransferState.SENDING:
-            self._flush(out)  # a partly filled message goes before "done"
+            send: _Send = out.extra["send"]
+            if send.ready < out.ticket.num_layers:  # the receiver will fail it; keep in step
+                send.dropped = True
+                self._pump(send.pair)
         super().finish_send(request_id, done)
 
-    def _flush(self, out: Outgoing) -> None:
-        chunk: _Chunk | None = out.extra.pop("chunk", None)
-        if chunk is None or not chunk.headers:
-            return
-        pair: _Pair = out.extra["pair"]
-        layers = [h["layer"] for h in chunk.headers]
-        # The copy stream waits for every layer of the message to be computed.
-        pair.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(pair.copy_stream):
-            data = self._staging(len(layers), out.ticket)
-            self.gather(layers, out.src_slots, data)
-        out.src_slots.record_stream(pair.copy_stream)
-        nbytes = data.numel() * data.element_size()
-        chunk.headers[0].update(chunk=layers, nbytes=nbytes)
-        # Headers go first, so the receiver posts its recv while this side enqueues the
-        # send; neither side ever waits for the other's frame before its NCCL call.
-        for h in chunk.headers:
-            out.peer.post(h)
-        gathered = torch.cuda.Event()
-        gathered.record(pair.copy_stream)
-        error = None
-        with pair.lock, torch.cuda.stream(pair.nccl_stream):  # (also the CUDA device)
-            if pair.aborted:
-                return  # the peer is gone and this transfer has failed with it
+    def _release_outgoing(self, out: Outgoing) -> None:
+        send: _Send | None = out.extra.get("send")
+        if send is not None and send.issued < len(send.plan):
+            send.dropped = True
+            self._pump(send.pair)
+
+    def _pump(self, pair: Pair) -> None:
+        """Queue every send that may go now: the oldest transfer's ready messages, in order."""
+        try:
+            with pair.lock:
+                while pair.sending and not pair.aborted:
+                    out: Outgoing = pair.sending[0]
+                    send: _Send = out.extra["send"]
+                    while send.issued < len(send.plan) and _can_issue(send):
+                        self._issue(pair, out, send)
+                    if send.issued < len(send.plan):
+                        return
+                    pair.sending.popleft()
+                    send.ring.clear()  # the allocator reuses them after their sends
+        except Exception as e:
+            if not isinstance(e, nccl.NcclError):
+                logger.exception("queueing a KV send failed")
+            self._abort(pair, f"NCCL send failed: {type(e).__name__}: {e}")
+
+    def _issue(self, pair: Pair, out: Outgoing, send: _Send) -> None:
+        """Gather message ``send.issued`` into its staging buffer and queue its send."""
+        i = send.issued
+        first, layers = send.plan[i]
+        nbytes = layers * send.layer_bytes
+        buf = self._ring(pair, send, i % _RING)
+        if not send.dropped:
+            pair.copy_stream.wait_stream(send.compute)  # the layers are computed
+            if send.sent[i % _RING] is not None:  # and the buffer's last send is done
+                pair.copy_stream.wait_event(send.sent[i % _RING])
+            with torch.cuda.stream(pair.copy_stream):
+                self.gather(first, out.src_slots, self._kv_view(buf, layers, out.ticket))
+                gathered = torch.cuda.Event()
+                gathered.record(pair.copy_stream)
             pair.nccl_stream.wait_event(gathered)
-            try:
-                pair.comm.send(data.data_ptr(), nbytes, nccl.NCCL_UINT8, pair.peer_rank, _ptr(pair))
-            except nccl.NcclError as e:
-                error = e
-        data.record_stream(pair.nccl_stream)
-        if error is not None:
-            self._abort(pair, f"NCCL send failed: {error}")  # fails the transfer via _peer_lost
+        pair.send(buf, nbytes)  # filler when dropped: whatever the buffer holds
+        sent = torch.cuda.Event()
+        sent.record(pair.nccl_stream)
+        send.sent[i % _RING] = sent
+        send.issued += 1
+
+    def _ring(self, pair: Pair, send: _Send, slot: int) -> torch.Tensor:
+        if not send.ring:
+            nbytes = max(layers for _, layers in send.plan) * send.layer_bytes
+            with torch.cuda.stream(pair.copy_stream):
+                send.ring = [self._bytes(nbytes) for _ in range(min(_RING, len(send.plan)))]
+            for buf in send.ring:
+                buf.record_stream(pair.nccl_stream)
+        return send.ring[slot]
 
     def _peer_lost(self, peer: Peer, error: str) -> None:
-        super()._peer_lost(peer, error)
         with self._lock:
             pair = self._send_pairs.pop(peer, None)
-        if pair is not None:
+        if pair is not None:  # first, so the failed transfers queue no filler on it
             self._abort(pair, error)
+        super()._peer_lost(peer, error)
 
     # ---- receiver -------------------------------------------------------------
 
-    def _recv_layer_data(self, inc: Incoming | None, header: dict, payload: bytearray) -> None:
-        layers = header.get("chunk")
-        if layers is None:
-            return  # this layer's bytes came with the first header of its message
-        pair: _Pair | None = getattr(self._local, "pair", None)
+    def _on_frame(self, conn: Connection, header: dict[str, Any]) -> None:
+        if header["kind"] != "announce":
+            return super()._on_frame(conn, header)
+        pair: Pair | None = getattr(self._local, "pair", None)
         if pair is None:
-            raise ConnectionError("a KV layer frame arrived before the hello frame")
-        nbytes = header["nbytes"]
+            raise ConnectionError("a KV announce frame arrived before the hello frame")
+        plan = [(int(first), int(n)) for first, n in header["messages"]]
+        rid, layer_bytes = header["request_id"], header["layer_bytes"]
+        with self._lock:  # a cancel cannot release the blocks while their scatters queue
+            inc = self._incoming.get(rid)
+            if inc is not None:
+                error = _check_plan(inc.ticket, plan, layer_bytes)
+                if error is not None:
+                    self._fail(rid, "recv", error)
+                    inc = None  # still receive the bytes, so the pair stays in step
+                else:
+                    inc.conn, inc.state = conn, TransferState.RECEIVING
+            try:
+                self._post_receives(pair, plan, layer_bytes, inc)
+            except Exception as e:
+                if not isinstance(e, (nccl.NcclError, ConnectionError)):
+                    logger.exception("queueing the KV receives of %s failed", rid)
+                self._abort(pair, f"NCCL recv failed: {type(e).__name__}: {e}")
+                raise ConnectionError(f"NCCL recv failed: {e}") from e
+
+    def _post_receives(self, pair: Pair, plan, layer_bytes: int, inc: Incoming | None) -> None:
+        """Queue every receive of a transfer and, for an expected one, its scatters.
+
+        Receive i reuses the buffer of message i - 2, after that message's scatter;
+        scatter i is queued after receive i + 1, so receives stay ahead of the wire.
+        A transfer nobody expects goes into one scratch buffer.
+        """
+        if not plan:
+            return
+        nbytes = max(layers for _, layers in plan) * layer_bytes
+        with torch.cuda.stream(pair.nccl_stream):
+            count = min(_RING, len(plan)) if inc is not None else 1
+            ring = [self._bytes(nbytes) for _ in range(count)]
+        recv = None
         if inc is not None:
-            error = _check_message(inc.ticket, layers, nbytes)
-            if error is not None:
-                self._fail(inc.ticket.request_id, "recv", error)
-                inc = None  # still receive the bytes, so the pair stays in step
-        error = None
-        with pair.lock, torch.cuda.stream(pair.nccl_stream):
+            recv = inc.extra["recv"] = _Recv(pair, self._live_flag(pair))
+            inc.dst_slots.record_stream(pair.copy_stream)
+            for buf in ring:
+                buf.record_stream(pair.copy_stream)
+        with pair.lock:
             if pair.aborted:
                 raise ConnectionError(f"NCCL communicator {pair.key} was aborted")
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            try:
-                pair.comm.recv(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, pair.peer_rank, _ptr(pair))
-            except nccl.NcclError as e:
-                error = e
-        if error is not None:
-            self._abort(pair, f"NCCL recv failed: {error}")
-            raise ConnectionError(f"NCCL recv failed: {error}")
-        if inc is None:
-            return  # scratch: the allocator reuses it only after the recv (same stream)
-        t = inc.ticket
-        shape = (len(layers), 2, t.num_transfer_tokens, t.layout.num_kv_heads, t.layout.head_dim)
-        kv = buf.view(t.layout.torch_dtype).view(shape)
-        received = torch.cuda.Event()
-        received.record(pair.nccl_stream)
-        pair.copy_stream.wait_event(received)
+            for i in range(len(plan) + 1):
+                if i < len(plan):
+                    buf = ring[i % len(ring)]
+                    if recv is not None and i >= _RING:
+                        pair.nccl_stream.wait_event(recv.scattered[i - _RING])
+                    pair.recv(buf, plan[i][1] * layer_bytes)
+                    if recv is not None:
+                        recv.received.append(_record(pair.nccl_stream))
+                if recv is not None and i >= 1:
+                    self._queue_scatter(pair, recv, plan[i - 1], ring[(i - 1) % len(ring)], inc)
+
+    def _queue_scatter(self, pair: Pair, recv: _Recv, message, buf, inc: Incoming) -> None:
+        first, layers = message
+        pair.copy_stream.wait_event(recv.received[len(recv.scattered)])
         with torch.cuda.stream(pair.copy_stream):
-            self.scatter(layers, inc.dst_slots, kv)
-            scattered = torch.cuda.Event()
-            scattered.record(pair.copy_stream)
-        buf.record_stream(pair.copy_stream)
-        inc.dst_slots.record_stream(pair.copy_stream)
-        inc.extra.update(pair=pair, scattered=scattered)
+            self.scatter(first, inc.dst_slots, self._kv_view(buf, layers, inc.ticket), recv.live)
+        recv.scattered.append(_record(pair.copy_stream))
+
+    def _live_flag(self, pair: Pair) -> torch.Tensor | None:
+        """A new int32 1 on the device, set before any scatter of ``pair`` reads it."""
+        if not self.fused_copy:
+            return None
+        with torch.cuda.stream(self._flag_stream):
+            live = torch.ones(1, dtype=torch.int32, device=self.device)
+        pair.copy_stream.wait_event(_record(self._flag_stream))
+        live.record_stream(pair.copy_stream)
+        return live
 
     def _on_done(self, conn: Connection, header: dict[str, Any]) -> None:
         # Wait for the last scatter here, outside the lock; base._on_done then finds it done.
         rid = header["request_id"]
         with self._lock:
             inc = self._incoming.get(rid)
-        scattered = inc.extra.get("scattered") if inc is not None else None
-        if scattered is not None:
-            pair = inc.extra["pair"]
-            if not _wait(scattered, pair, inc.deadline):
+        recv: _Recv | None = inc.extra.get("recv") if inc is not None else None
+        if recv is not None:
+            inc.layers_received = header["layers"]  # the sender's count; no per-layer frames
+            if recv.scattered and not wait_event(recv.scattered[-1], recv.pair, inc.deadline):
                 error = f"the KV of {rid} was not received by the transfer's deadline"
-                self._abort(pair, error)
+                self._abort(recv.pair, error)
                 with self._lock:
                     self._fail(rid, "recv", error)
         super()._on_done(conn, header)
 
+    def _recv_layer_data(self, inc: Incoming | None, header: dict, payload: bytearray) -> None:
+        raise ConnectionError("the nccl KV transport takes no layer frames (a cpu sender?)")
+
     def _finish_incoming(self, inc: Incoming) -> None:
-        scattered = inc.extra.get("scattered")
-        if scattered is not None:
-            scattered.synchronize()  # done already (see _on_done)
+        recv: _Recv | None = inc.extra.get("recv")
+        if recv is not None and recv.scattered:
+            recv.scattered[-1].synchronize()  # done already (see _on_done)
 
     def _release_incoming(self, inc: Incoming) -> None:
-        """No scatter may write into the blocks after this returns."""
-        scattered, pair = inc.extra.get("scattered"), inc.extra.get("pair")
-        if scattered is None or scattered.query():
+        """No scatter may write into the blocks after this returns (caller holds the lock)."""
+        recv: _Recv | None = inc.extra.get("recv")
+        if recv is None or not recv.scattered or recv.scattered[-1].query():
             return
-        if _wait(scattered, pair, max(inc.deadline, time.monotonic() + 1.0)):
+        rid, pair = inc.ticket.request_id, recv.pair
+        if recv.live is None:  # torch copies: wait for the sender's bytes, as far as it goes
+            if not wait_event(recv.scattered[-1], pair, max(inc.deadline, time.monotonic() + 1)):
+                self._abort(pair, f"a KV receive of {rid} was still pending")
+                _wait_or_log(recv.scattered[-1], self.timeout_s, rid)
             return
-        # A receive still pending at the deadline has no live sender: abort it, so
-        # the scatters behind it run (on garbage) and finish before the blocks go.
-        self._abort(pair, f"a KV receive of {inc.ticket.request_id} was still pending")
-        if not _wait(scattered, None, time.monotonic() + self.timeout_s):
-            logger.error("KV scatter of %s still pending after abort", inc.ticket.request_id)
+        with torch.cuda.stream(self._flag_stream):
+            recv.live.zero_()
+        _record(self._flag_stream).synchronize()
+        # Scatters that start from now on write nothing. One may have started before:
+        # only one whose receive is done, so wait for the last of those (GPU work only).
+        done = [i for i, event in enumerate(recv.received) if event.query()]
+        if done:
+            _wait_or_log(recv.scattered[done[-1]], self.timeout_s, rid)
+        if len(done) < len(recv.received) and time.monotonic() > inc.deadline:
+            self._abort(pair, f"a KV receive of {rid} was still pending at its deadline")
 
     def _on_disconnect(self, conn: Connection) -> None:
-        pair: _Pair | None = getattr(self._local, "pair", None)
+        pair: Pair | None = getattr(self._local, "pair", None)
         if pair is not None and pair.conn is conn:
             self._abort(pair, "the prefill worker's connection ended")
 
     # ---- gather / scatter -----------------------------------------------------
 
-    def gather(self, layers: list[int], slots: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[j] = [K, V][slots]`` of ``layers[j]`` (``[layers, 2, tokens, ...]``), on the
-        current stream."""
-        self._copy(True, layers, slots, out)
+    @property
+    def fused_copy(self) -> bool:
+        """Gather and scatter with the fused kernel (else torch index ops, ``kv_gather.py``).
 
-    def scatter(self, layers: list[int], slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """The inverse: ``[K, V][slots] = kv[j]`` for ``layers[j]``, on the current stream."""
-        self._copy(False, layers, slots, kv)
+        Only the fused scatter reads a ``live`` flag: with torch copies, a receiver that
+        drops a transfer waits for its scatters (so for the sender's bytes)."""
+        return self._fused_copy
 
-    def _copy(self, gather: bool, layers: list[int], slots: torch.Tensor, buf: torch.Tensor):
-        consecutive = list(layers) == list(range(layers[0], layers[0] + len(layers)))
-        if self.fused_copy and self._fused is not None and consecutive:
-            try:
-                self._fused(gather, layers[0], slots, buf, self.device)
-                return
-            except Exception as e:  # e.g. no NVRTC: the torch ops below do the same
-                logger.warning("fused KV copy failed (%s); using torch index ops", e)
-                self._fused = None
-        for j, layer in enumerate(layers):
-            for cache, rows in zip(self.kv_cache.layer(layer), (buf[j, 0], buf[j, 1])):
-                if gather:
-                    torch.index_select(as_words(cache), 0, slots, out=as_words(rows))
-                else:
-                    as_words(cache).index_copy_(0, slots, as_words(rows))
+    @fused_copy.setter
+    def fused_copy(self, fused: bool) -> None:
+        if fused and self._kernel is None:
+            raise ValueError("the fused KV copy kernel did not build here (see the log)")
+        self._fused_copy = fused
+
+    def gather(self, first: int, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[j] = (K, V)[slots]`` of layer ``first + j`` (``[layers, 2, tokens, heads,
+        head_dim]``), on the current stream."""
+        if self.fused_copy:
+            self._kernel.gather(first, slots, out)
+        else:
+            gather_kv(self.kv_cache.k, self.kv_cache.v, first, slots, out)
+
+    def scatter(
+        self, first: int, slots: torch.Tensor, kv: torch.Tensor, live: torch.Tensor | None = None
+    ) -> None:
+        """The inverse, on the current stream; with the fused kernel, nothing once ``live``
+        holds 0."""
+        if self.fused_copy:
+            self._kernel.scatter(first, slots, kv, live)
+        elif live is not None:
+            raise ValueError("a live flag needs the fused KV copy kernel")
+        else:
+            scatter_kv(self.kv_cache.k, self.kv_cache.v, first, slots, kv)
 
     # ---- both -----------------------------------------------------------------
 
-    def _abort(self, pair: _Pair, reason: str) -> None:
+    def _abort(self, pair: Pair, reason: str) -> None:
         with pair.lock:
             if pair.aborted:
                 return
@@ -428,10 +545,14 @@ class NcclKVTransport(KVTransport):
             for peer in [p for p, q in self._send_pairs.items() if q is pair]:
                 del self._send_pairs[peer]
 
-    def _staging(self, num_layers: int, ticket: TransferTicket) -> torch.Tensor:
-        spec = self.kv_cache.spec
-        shape = (num_layers, 2, ticket.num_transfer_tokens, spec.num_kv_heads, spec.head_dim)
-        return torch.empty(shape, dtype=spec.dtype, device=self.device)
+    def _bytes(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _kv_view(self, buf: torch.Tensor, layers: int, ticket: TransferTicket) -> torch.Tensor:
+        lay = ticket.layout
+        shape = (layers, 2, ticket.num_transfer_tokens, lay.num_kv_heads, lay.head_dim)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=lay.torch_dtype).element_size()
+        return buf[:n].view(lay.torch_dtype).view(shape)
 
     def close(self) -> None:
         super().close()
@@ -441,143 +562,32 @@ class NcclKVTransport(KVTransport):
             self._abort(pair, "transport closed")
 
 
-def _check_message(ticket: TransferTicket, layers: list[int], nbytes: int) -> str | None:
-    """An error when a message does not fit the ticket, else None."""
-    if any(not 0 <= layer < ticket.num_layers for layer in layers):
-        return f"KV message names layers {layers}, the ticket has {ticket.num_layers}"
+def _can_issue(send: _Send) -> bool:
+    first, layers = send.plan[send.issued]
+    return send.dropped or send.ready >= first + layers
+
+
+def _check_plan(ticket: TransferTicket, plan: list[tuple[int, int]], layer_bytes: int):
+    """An error when an announced plan does not fit the ticket, else None."""
     lay = ticket.layout
     elem = torch.empty((), dtype=lay.torch_dtype).element_size()
-    expected = len(layers) * 2 * ticket.num_transfer_tokens * lay.num_kv_heads * lay.head_dim * elem
-    if nbytes != expected:
-        return f"KV message of layers {layers} has {nbytes} bytes, expected {expected}"
+    expected = 2 * ticket.num_transfer_tokens * lay.num_kv_heads * lay.head_dim * elem
+    if layer_bytes != expected:
+        return f"KV announce has {layer_bytes} bytes a layer, expected {expected}"
+    firsts = [sum(n for _, n in plan[:i]) for i in range(len(plan))]
+    if [f for f, _ in plan] != firsts or sum(n for _, n in plan) != ticket.num_layers:
+        return f"KV announce plans messages {plan}, not layers 0..{ticket.num_layers - 1}"
+    if any(n < 1 for _, n in plan):
+        return f"KV announce plans an empty message: {plan}"
     return None
 
 
-def _wait(event: torch.cuda.Event, pair: _Pair | None, deadline: float) -> bool:
-    """Wait for ``event``; False at the deadline or when ``pair`` is aborted."""
-    spin_until = time.monotonic() + _SPIN_S
-    while not event.query():
-        if pair is not None and pair.aborted:
-            return False
-        now = time.monotonic()
-        if now > deadline:
-            return False
-        time.sleep(0 if now < spin_until else 0.0005)
-    return True
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
-def _ptr(pair: _Pair) -> int:
-    return pair.nccl_stream.cuda_stream
-
-
-_COPY_SOURCE = r"""
-// buf is [layers, 2, tokens, row] (K then V of each layer); table holds the K and V
-// cache pointers of every layer (K0, V0, K1, V1, ...). Row (j, kv, t) of buf is the
-// row at slots[t] of layer first + j. One block moves one row, in 16-byte words.
-__device__ __forceinline__ void kv_rows(bool to_buf, unsigned long long table, int first,
-        unsigned long long slots, long long tokens, int words, unsigned long long buf) {
-    long long row = blockIdx.x;
-    long long t = row % tokens;
-    long long jkv = row / tokens;
-    ulonglong2* cache = reinterpret_cast<ulonglong2*>(
-        reinterpret_cast<const long long*>(table)[2 * first + jkv]);
-    cache += reinterpret_cast<const long long*>(slots)[t] * words;
-    ulonglong2* rows = reinterpret_cast<ulonglong2*>(buf) + row * words;
-    for (int w = threadIdx.x; w < words; w += blockDim.x) {
-        if (to_buf) rows[w] = cache[w]; else cache[w] = rows[w];
-    }
-}
-
-extern "C" __global__ void kv_gather(unsigned long long table, int first,
-        unsigned long long slots, long long tokens, int words, unsigned long long buf) {
-    kv_rows(true, table, first, slots, tokens, words, buf);
-}
-
-extern "C" __global__ void kv_scatter(unsigned long long table, int first,
-        unsigned long long slots, long long tokens, int words, unsigned long long buf) {
-    kv_rows(false, table, first, slots, tokens, words, buf);
-}
-"""
-
-
-class _FusedCopy:
-    """Gathers (scatters) K and V of consecutive layers in one kernel launch.
-
-    The torch path (``index_select`` / ``index_copy_`` per layer, in ``_copy``) is its
-    reference and its fallback: two launches a layer cost more CPU time than the
-    copies take on the GPU, which throttles a transfer of many ready layers.
-    """
-
-    def __init__(self, kv_cache: KVCache):
-        k0 = kv_cache.k[0]
-        self.words = k0.shape[-2] * k0.shape[-1] * k0.element_size() // 16
-        ptrs = [t.data_ptr() for kv in zip(kv_cache.k, kv_cache.v) for t in kv]
-        self.table = torch.tensor(ptrs, dtype=torch.int64, device=k0.device)
-        with cupy.cuda.Device(k0.device.index):
-            module = cupy.RawModule(code=_COPY_SOURCE)
-            self.kernels = {True: module.get_function("kv_gather")}
-            self.kernels[False] = module.get_function("kv_scatter")
-        self.streams: dict[int, Any] = {}  # cupy views of torch streams
-
-    @staticmethod
-    def supports(kv_cache: KVCache) -> bool:
-        k0 = kv_cache.k[0]
-        return k0.shape[-2] * k0.shape[-1] * k0.element_size() % 16 == 0
-
-    @classmethod
-    def build(cls, kv_cache: KVCache) -> _FusedCopy | None:
-        try:
-            return cls(kv_cache)
-        except Exception as e:
-            logger.warning("fused KV copy unavailable (%s); using torch index ops", e)
-            return None
-
-    def __call__(self, gather: bool, first: int, slots, buf, device) -> None:
-        ptr = torch.cuda.current_stream(device).cuda_stream
-        stream = self.streams.get(ptr)
-        if stream is None:
-            stream = self.streams[ptr] = cupy.cuda.ExternalStream(ptr)
-        rows = buf.numel() * buf.element_size() // (16 * self.words)
-        args = (
-            numpy.uint64(self.table.data_ptr()),
-            numpy.int32(first),
-            numpy.uint64(slots.data_ptr()),
-            numpy.int64(slots.numel()),
-            numpy.int32(self.words),
-            numpy.uint64(buf.data_ptr()),
-        )
-        with cupy.cuda.Device(device.index), stream:
-            self.kernels[gather]((rows,), (min(self.words, 256),), args)
-
-
-def message_layers(cap: int, sent: int, remaining: int) -> int:
-    """Layers in a transfer's next message: 1, 2, 4, ... up to ``cap``."""
-    return min(cap, sent + 1, remaining)
-
-
-def as_words(kv: torch.Tensor) -> torch.Tensor:
-    """Token rows of ``kv`` (``[..., heads, head_dim]``, contiguous) as a 2-D view.
-
-    In 8-byte words where a row divides evenly: the gather and scatter kernels then
-    move a quarter as many elements as in bf16, and run about that much faster.
-    """
-    rows = kv.view(-1, kv.shape[-2] * kv.shape[-1])
-    if rows.shape[1] * rows.element_size() % 8 == 0:
-        return rows.view(torch.int64)
-    return rows
-
-
-def unique_id() -> bytes:
-    """A new NCCL unique id, as bytes (it travels in Ray calls)."""
-    uid = nccl.get_unique_id()
-    if isinstance(uid, bytes):  # cupy >= 14
-        return uid
-    return bytes(b & 0xFF for b in uid)  # older cupy: a tuple of C chars
-
-
-def communicator(uid: bytes, rank: int) -> Any:
-    """Rank ``rank`` of a 2-rank communicator on the current device; blocks until both join."""
-    try:
-        return nccl.NcclCommunicator(2, uid, rank)
-    except TypeError:  # older cupy takes the id as a tuple of C chars (signed on x86-64)
-        return nccl.NcclCommunicator(2, tuple(b - 256 if b > 127 else b for b in uid), rank)
+def _wait_or_log(event: torch.cuda.Event, timeout_s: float, rid: str) -> None:
+    if not wait_event(event, None, time.monotonic() + timeout_s):
+        logger.error("KV scatter of %s still pending after %.0f s", rid, timeout_s)
