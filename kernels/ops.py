@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from splitserve.kernels import activation, moe_routing, rmsnorm, rotary
+from splitserve.kernels import activation, kv_store, moe_routing, rmsnorm, rotary
 from splitserve.kernels import fused_moe as moe
 
 
@@ -43,6 +43,18 @@ def rms_norm(
     """``weight * x / rms(x)``; with ``residual``: ``(rms_norm(x + residual), x + residual)``."""
     kernels = _triton("rmsnorm") if use_triton(x) else rmsnorm
     return kernels.rms_norm(x, weight, eps, residual)
+
+
+def store_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # NHD [blocks, block_size, heads, dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 skips the row
+) -> None:
+    """Write each token's K/V at its slot (reshape-and-cache); slot -1 is skipped."""
+    kernels = _triton("kv_store") if use_triton(k) else kv_store
+    kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def rotary_embedding(

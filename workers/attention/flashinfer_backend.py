@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from splitserve.kernels.triton.kv_store import store_kv
+from splitserve.kernels.ops import store_kv
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
 
