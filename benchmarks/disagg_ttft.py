@@ -66,6 +66,8 @@ class Decode:
                 if out.request_id == rid and out.new_token_ids:
                     torch.cuda.synchronize()
                     return time.time()
+            if not self.engine.has_runnable_requests():
+                time.sleep(50e-6)  # leave the GIL to the transport's threads, as a server does
 
 
 class Prefill:

@@ -235,7 +235,10 @@ def test_transfers_started_together_share_the_pair_in_announce_order(sides, laye
     sender, receiver = sides
     ray.get(sender.set_layers_per_message.remote(layers_per_message))
     # Different lengths, so mismatched NCCL messages would not line up in size either.
-    specs = [([40 + 3 * i], [60 + 4 * i, 61 + 4 * i, 62 + 4 * i], 20 + 10 * i) for i in range(3)]
+    specs = [
+        ([40 + 3 * i, 41 + 3 * i], [60 + 4 * i, 61 + 4 * i, 62 + 4 * i], 20 + 10 * i)
+        for i in range(3)
+    ]
     tickets = [
         ray.get(receiver.expect.remote(f"together{layers_per_message}-{i}", dst, 0, n))
         for i, (dst, _, n) in enumerate(specs)
