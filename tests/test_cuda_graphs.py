@@ -160,7 +160,9 @@ def _rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_logits_match_transformers(family, dtype):
     """Prefill through piecewise graphs, then two decode steps through decode graphs."""
-    _, path, reference_f32, reference_bf16 = family
+    name, path, reference_f32, reference_bf16 = family
+    if dtype == "bfloat16" and name in MOE:
+        pytest.skip("a bf16 router flips near-ties to other experts; MoE is checked in float32")
     reference = reference_f32 if dtype == "float32" else reference_bf16
     llm = _llm(path, dtype, graphs=True)
     steps = ManualSteps(llm, len(PROMPT_LENS))
