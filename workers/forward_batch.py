@@ -34,11 +34,12 @@ class ForwardBatch:
     positions: torch.Tensor  # [num_tokens] int64
     query_lens: list[int]  # new tokens per request
     seq_lens: list[int]  # KV length per request after this step (cached + new)
-    query_start_loc: torch.Tensor  # [batch + 1] int32, cumulative query_lens
-    seq_lens_tensor: torch.Tensor  # [batch] int32
-    block_tables: torch.Tensor  # [batch, max_blocks_per_seq] int32, padded with 0 (null page)
+    query_start_loc: torch.Tensor  # [batch + 1] int, cumulative query_lens
+    seq_lens_tensor: torch.Tensor  # [batch] int
+    block_tables: torch.Tensor  # [batch, max_blocks_per_seq] int, padded with 0 (null page)
     block_ids: list[list[int]]  # the same block tables on the host, unpadded
     slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset; -1 skips
+    # The device tensors above are int64 views of one buffer (one host-to-device copy).
     logits_indices: torch.Tensor  # [num_sampled] rows whose hidden state becomes logits
     kv_cache: KVCache
     attn_backend: AttentionBackend

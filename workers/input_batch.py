@@ -46,26 +46,30 @@ def build_forward_batch(
     query_lens = [len(r.new_token_ids) for r in requests]
     seq_lens = [r.num_computed + q for r, q in zip(requests, query_lens)]
     max_blocks = max(len(r.block_ids) for r in requests)
-    tables = [r.block_ids + [NULL_BLOCK] * (max_blocks - len(r.block_ids)) for r in requests]
+    tables = [
+        b for r in requests for b in r.block_ids + [NULL_BLOCK] * (max_blocks - len(r.block_ids))
+    ]
     cu = [0]
     for q in query_lens:
         cu.append(cu[-1] + q)
-
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    # One host tensor, one copy to the device; every field is a view of it.
+    fields = [input_ids, positions, slots, logits_indices, cu, seq_lens, tables]
+    packed = torch.tensor([v for f in fields for v in f], dtype=torch.long).to(device)
+    ids, pos, slot_mapping, logits, query_start_loc, seq_lens_t, flat_tables = packed.split(
+        [len(f) for f in fields]
+    )
     fb = ForwardBatch(
         phase=ForwardBatch.phase_of(query_lens, [r.num_computed for r in requests]),
-        input_ids=tensor(input_ids, torch.long),
-        positions=tensor(positions, torch.long),
+        input_ids=ids,
+        positions=pos,
         query_lens=query_lens,
         seq_lens=seq_lens,
-        query_start_loc=tensor(cu, torch.int32),
-        seq_lens_tensor=tensor(seq_lens, torch.int32),
-        block_tables=tensor(tables, torch.int32),
+        query_start_loc=query_start_loc,
+        seq_lens_tensor=seq_lens_t,
+        block_tables=flat_tables.view(len(requests), max_blocks),
         block_ids=[r.block_ids for r in requests],
-        slot_mapping=tensor(slots, torch.long),
-        logits_indices=tensor(logits_indices, torch.long),
+        slot_mapping=slot_mapping,
+        logits_indices=logits,
         kv_cache=kv_cache,
         attn_backend=attn_backend,
     )

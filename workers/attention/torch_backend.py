@@ -43,7 +43,9 @@ class TorchAttentionBackend(AttentionBackend):
     def plan(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
         gather_index, key_mask = _gather_index(fb, max(fb.seq_lens))
-        starts = fb.query_start_loc.tolist()
+        starts = [0]
+        for q in fb.query_lens:
+            starts.append(starts[-1] + q)
         spans = list(zip(starts[:-1], starts[1:]))
         fb.attn_metadata = TorchAttentionMetadata(gather_index, key_mask, spans)
 
