@@ -13,8 +13,6 @@ from splitserve.cluster.request_router import PoolRequestRouter
 from splitserve.cluster.serve_config import POOLS, PoolConfig, ServeConfig
 from splitserve.cluster.worker_deployment import EngineWorker
 
-MAX_QUEUED_REQUESTS = 4096  # per pool handle; beyond it a request gets 503
-
 
 def build_app(config: ServeConfig) -> serve.Application:
     engine = _engine_dict(config)
@@ -36,7 +34,7 @@ def pool_deployment(name: str, pool: PoolConfig, config: ServeConfig) -> serve.D
         name=name,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": gpus},
         max_ongoing_requests=pool.max_ongoing_requests,
-        max_queued_requests=MAX_QUEUED_REQUESTS,
+        max_queued_requests=pool.max_queued_requests,
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,

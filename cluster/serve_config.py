@@ -28,7 +28,9 @@ class PoolConfig:
     max_replicas: int | None = None
     num_cpus: float = 0.0  # Ray resources per replica
     num_gpus: float | None = None  # None: 1 when the engine runs on CUDA, else 0
-    max_ongoing_requests: int = 512
+    max_ongoing_requests: int = 512  # per replica
+    # Requests waiting for a replica of this pool, per caller; beyond it a request gets 503.
+    max_queued_requests: int = 4096
     # Autoscaling targets per replica: the prefill pool scales on queued prompt
     # tokens, the decode and mixed pools on running requests and KV usage.
     target_queued_prompt_tokens: int = 8192
@@ -52,6 +54,10 @@ class PoolConfig:
                 raise ValueError(f"pools.{name}: set both min_replicas and max_replicas")
             if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
                 raise bad("max_replicas", f">= max(1, min_replicas={self.min_replicas})")
+        if self.max_ongoing_requests < 1:
+            raise bad("max_ongoing_requests", ">= 1")
+        if self.max_queued_requests < 1:
+            raise bad("max_queued_requests", ">= 1")
         if self.target_queued_prompt_tokens < 1:
             raise bad("target_queued_prompt_tokens", ">= 1")
         if self.target_running_requests < 1:
