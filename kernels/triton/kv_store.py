@@ -3,9 +3,21 @@
 One program per (token, block of heads) reads its slot, returns at once for
 slot -1, and writes the token's K and V rows at ``(slot // block_size, slot %
 block_size)``. The layout (NHD or HND) only changes the cache strides that the
-wrapper passes, so one kernel serves both. FP8 runs two kernels: an amax over
-the written rows (atomic max), then the quantizing store; the scale semantics
-are those of ``kv_store.store_kv_fp8``.
+wrapper passes, so one kernel serves both. FP8 runs two kernels and no torch op
+between them; the scale semantics are those of ``kv_store.store_kv_fp8``. A scale
+tensor holds, between and during the two launches:
+
+| value  | after the amax kernel                  | the store kernel                      |
+|--------|----------------------------------------|---------------------------------------|
+| s > 0  | calibrated, left as is                 | quantizes with s                      |
+| 0      | uncalibrated, no non-zero written rows | writes x / 1 (only zeros), leaves 0   |
+| -a < 0 | uncalibrated, a = amax of written rows | quantizes with a / 448, stores it     |
+
+The amax kernel returns at once when both scales are set, so a calibrated store
+reads K/V once, like a bf16 store, and neither kernel needs the host: the scale
+on the device decides (CUDA-graph capturable). Every store program computes the
+same ``a / 448`` from either state it may see, so program (0, 0) writing it back
+races with none. A refused store (bad shapes) fails before either launch.
 """
 
 from __future__ import annotations
@@ -14,21 +26,28 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.kv_store import (
-    FP8_DTYPE,
-    _check_layout,
-    calibrate_fp8_scale,
-    check_kv_cache_dtype,
-)
+from splitserve.kernels.kv_store import FP8_DTYPE, _check_layout, check_kv_cache_dtype
 
 MAX_TILE = 2048  # elements of one program's [BLOCK_H, BLOCK_D] tile
+AMAX_PROGRAMS = 512  # token-strided programs of the amax kernel (per block of heads)
 
 
 @triton.jit
-def _store_row(src, dst, scale_ptr, mask, FP8: tl.constexpr):
+def _fp8_scale(scale_ptr, write_back):
+    """The effective scale (see the table in the module docstring); ``write_back``
+    stores it when the amax kernel left ``-amax`` there."""
+    scale = tl.load(scale_ptr)
+    if scale < 0:
+        scale = tl.math.div_rn(-scale, 448.0)
+        if write_back:
+            tl.store(scale_ptr, scale)
+    return scale
+
+
+@triton.jit
+def _store_row(src, dst, scale, mask, FP8: tl.constexpr):
     x = tl.load(src, mask=mask)
     if FP8:
-        scale = tl.load(scale_ptr)
         scale = tl.where(scale > 0, scale, 1.0)
         x = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
     tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
@@ -45,11 +64,11 @@ def _store_kv_kernel(
     v_scale_ptr,
     num_heads,
     head_dim,
-    block_size,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
+    block_size,
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
@@ -58,6 +77,12 @@ def _store_kv_kernel(
     BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:  # before the slot test: program (0, 0) writes a new scale back
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+        k_scale = _fp8_scale(k_scale_ptr, first)
+        v_scale = _fp8_scale(v_scale_ptr, first)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
@@ -72,8 +97,8 @@ def _store_kv_kernel(
     )
     k_src = k_ptr + token * stride_kt + heads * stride_kh + dims
     v_src = v_ptr + token * stride_vt + heads * stride_vh + dims
-    _store_row(k_src, k_cache_ptr + dst, k_scale_ptr, mask, FP8)
-    _store_row(v_src, v_cache_ptr + dst, v_scale_ptr, mask, FP8)
+    _store_row(k_src, k_cache_ptr + dst, k_scale, mask, FP8)
+    _store_row(v_src, v_cache_ptr + dst, v_scale, mask, FP8)
 
 
 @triton.jit
@@ -81,7 +106,9 @@ def _amax_kernel(
     k_ptr,
     v_ptr,
     slot_ptr,
-    amax_ptr,  # [2] float32: amax of K, amax of V
+    k_scale_ptr,  # [1] float32: > 0 calibrated (left as is), else gets -amax(|K|)
+    v_scale_ptr,
+    num_tokens,
     num_heads,
     head_dim,
     stride_kt,
@@ -91,16 +118,28 @@ def _amax_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    if tl.load(slot_ptr + token) < 0:
+    need_k = tl.load(k_scale_ptr) <= 0
+    need_v = tl.load(v_scale_ptr) <= 0
+    if not (need_k or need_v):
         return
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_heads) & (dims < head_dim)
-    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask, other=0.0)
-    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask, other=0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(k.to(tl.float32)), axis=1), axis=0))
-    tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.abs(v.to(tl.float32)), axis=1), axis=0))
+    k_max = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    v_max = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for token in range(tl.program_id(0).to(tl.int64), num_tokens, tl.num_programs(0)):
+        written_heads = tl.where(tl.load(slot_ptr + token) >= 0, num_heads, 0)
+        row = (heads < written_heads) & (dims < head_dim)
+        k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, row, other=0.0)
+        v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, row, other=0.0)
+        k_max = tl.maximum(k_max, tl.abs(k.to(tl.float32)))
+        v_max = tl.maximum(v_max, tl.abs(v.to(tl.float32)))
+    k_max = tl.max(tl.max(k_max, axis=1), axis=0)
+    v_max = tl.max(tl.max(v_max, axis=1), axis=0)
+    # only negative values go in: 0 stays 0 (all-zero rows), never -0.0
+    if need_k and k_max > 0:
+        tl.atomic_min(k_scale_ptr, -k_max)
+    if need_v and v_max > 0:
+        tl.atomic_min(v_scale_ptr, -v_max)
 
 
 def store_kv(
@@ -114,7 +153,8 @@ def store_kv(
     """Write K/V rows at their slots, cast to the cache dtype (bf16, fp16 or fp32)."""
     if k_cache.dtype == FP8_DTYPE:
         raise ValueError("an FP8 KV cache needs a scale: call store_kv_fp8")
-    _launch(k, v, k_cache, v_cache, slot_mapping, layout, None, None)
+    geometry = _geometry(k, v, k_cache, v_cache, layout)
+    _launch(k, v, k_cache, v_cache, slot_mapping, geometry, None, None)
 
 
 def store_kv_fp8(
@@ -131,23 +171,26 @@ def store_kv_fp8(
     if k_cache.dtype != FP8_DTYPE or v_cache.dtype != FP8_DTYPE:
         raise ValueError(f"store_kv_fp8 needs {FP8_DTYPE} caches, got {k_cache.dtype}")
     check_kv_cache_dtype(k_cache.dtype, k_cache.device)
+    for scale in (k_scale, v_scale):
+        if scale.dtype != torch.float32 or scale.numel() != 1:
+            raise ValueError(f"FP8 scales are [1] float32, got {scale.dtype} {tuple(scale.shape)}")
+    # checked before the amax kernel, which leaves -amax in an uncalibrated scale
+    geometry = _geometry(k, v, k_cache, v_cache, layout)
     num_tokens, num_heads, head_dim = k.shape
-    amax = torch.zeros(2, dtype=torch.float32, device=k.device)
     if num_tokens:
-        block_h, block_d = _tile(num_heads, head_dim)
-        grid = (num_tokens, triton.cdiv(num_heads, block_h))
         k, v, slot_mapping = _rows(k), _rows(v), slot_mapping.contiguous()
+        block_h, block_d = _tile(num_heads, head_dim)
+        grid = (min(num_tokens, AMAX_PROGRAMS), triton.cdiv(num_heads, block_h))
         _amax_kernel[grid](
-            k, v, slot_mapping, amax, num_heads, head_dim, *k.stride()[:2], *v.stride()[:2],
-            BLOCK_H=block_h, BLOCK_D=block_d,
+            k, v, slot_mapping, k_scale, v_scale, num_tokens, num_heads, head_dim,
+            *k.stride()[:2], *v.stride()[:2], BLOCK_H=block_h, BLOCK_D=block_d,
         )  # fmt: skip
-    calibrate_fp8_scale(k_scale, amax[0])
-    calibrate_fp8_scale(v_scale, amax[1])
-    _launch(k, v, k_cache, v_cache, slot_mapping, layout, k_scale, v_scale)
+    _launch(k, v, k_cache, v_cache, slot_mapping, geometry, k_scale, v_scale)
     return k_scale, v_scale
 
 
-def _launch(k, v, k_cache, v_cache, slot_mapping, layout, k_scale, v_scale) -> None:
+def _geometry(k, v, k_cache, v_cache, layout) -> tuple[int, int, int, int]:
+    """Checks shapes; returns the cache's (block_size, block, offset, head) strides."""
     _check_layout(layout)
     num_tokens, num_heads, head_dim = k.shape
     if v.shape != k.shape or v_cache.shape != k_cache.shape:
@@ -160,18 +203,22 @@ def _launch(k, v, k_cache, v_cache, slot_mapping, layout, k_scale, v_scale) -> N
         raise ValueError(
             f"{layout} cache {tuple(k_cache.shape)} does not hold {num_heads} heads of {head_dim}"
         )
+    stride_block, s1, s2, _ = k_cache.stride()
+    stride_offset, stride_head = (s1, s2) if layout == "NHD" else (s2, s1)
+    return block_size, stride_block, stride_offset, stride_head
+
+
+def _launch(k, v, k_cache, v_cache, slot_mapping, geometry, k_scale, v_scale) -> None:
+    num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     k, v, slot_mapping = _rows(k), _rows(v), slot_mapping.contiguous()
-    stride_block, s1, s2, _ = k_cache.stride()
-    stride_offset, stride_head = (s1, s2) if layout == "NHD" else (s2, s1)
     block_h, block_d = _tile(num_heads, head_dim)
     fp8 = k_scale is not None
     _store_kv_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         k, v, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
-        num_heads, head_dim, block_size, *k.stride()[:2], *v.stride()[:2],
-        stride_block, stride_offset, stride_head,
+        num_heads, head_dim, *k.stride()[:2], *v.stride()[:2], *geometry,
         FP8=fp8, BLOCK_H=block_h, BLOCK_D=block_d,
     )  # fmt: skip
 

@@ -108,6 +108,44 @@ def test_store_kv_fp8_exact_on_representable_values(layout):
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
 
 
+@needs_fp8
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fp8_store_keeps_a_set_scale_and_sets_an_unset_one(layout):
+    """K starts calibrated (0.0625: x / scale = 2 * e4m3, exact or saturated at 448), V does
+    not: K's scale must stay, V's becomes amax / 448, and a second store leaves both; bytes
+    equal the reference's after each store, and no scale is ever left negative."""
+    k, v, k_cache, v_cache, slots = make_inputs(SHAPES[1], layout, torch.float32, FP8)
+    for x in (k, v):
+        x.copy_(e4m3_values(x.numel()).view(x.shape) * 0.125)
+        x[(slots >= 0).nonzero()[0, 0], 0, 0] = 448.0 * 0.125
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    scales = [torch.tensor([s], device=DEVICE) for s in (0.0625, 0.0, 0.0625, 0.0)]
+    for step in range(2):
+        ref.store_kv_fp8(k * 4**step, v, k_ref, v_ref, slots, scales[0], scales[1], layout)
+        tri.store_kv_fp8(k * 4**step, v, k_cache, v_cache, slots, *scales[2:], layout)
+        assert scales[2].item() == scales[0].item() == 0.0625
+        assert scales[3].item() == scales[1].item() == 56 / 448  # amax 448 * 0.125
+        assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+        assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+@needs_fp8
+def test_fp8_scale_waits_for_non_zero_rows_and_survives_a_refused_store():
+    k, v, k_cache, v_cache, slots = make_inputs(SHAPES[0], "NHD", torch.float32, FP8)
+    k_scale, v_scale = torch.zeros(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+    with pytest.raises(ValueError, match="does not hold"):
+        tri.store_kv_fp8(k, v, k_cache, v_cache, slots, k_scale, v_scale, "HND")
+    assert k_scale.item() == 0.0 and v_scale.item() == 0.0
+    tri.store_kv_fp8(k * 0, v * 0, k_cache, v_cache, slots, k_scale, v_scale)
+    assert k_scale.item() == 0.0 and v_scale.item() == 0.0  # zeros do not calibrate
+    written = k_cache.view(-1, *k.shape[1:])[slots[slots >= 0]].float()
+    assert (written == 0).all()
+    tri.store_kv_fp8(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    keep = slots >= 0  # float32 amax / 448, as the reference divides
+    assert torch.equal(k_scale, (k[keep].abs().max() / 448).reshape(1))
+    assert torch.equal(v_scale, (v[keep].abs().max() / 448).reshape(1))
+
+
 def test_fp8_reference_scale_is_calibrated_once_and_saturates():
     k, v, k_cache, v_cache, slots = make_inputs(SHAPES[0], "NHD", torch.float32, FP8)
     keep = slots >= 0
