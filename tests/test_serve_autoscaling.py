@@ -1,0 +1,58 @@
+"""Autoscaling end to end: a mixed pool under load grows to its max_replicas.
+
+One mixed worker (CPU) with `min_replicas: 1, max_replicas: 2` and a target of
+two running requests per replica gets eight long streams at once; the pool
+must reach two live replicas (read from `/metrics`), and every stream must
+complete.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tests import checkpoints
+from tests.serve_harness import serving
+
+pytestmark = pytest.mark.slow
+STREAMS = 8
+
+
+def test_mixed_pool_scales_up_under_load(tmp_path):
+    model = checkpoints.write_qwen3(tmp_path / "model")
+    config = {
+        "engine": {
+            "model": str(model),
+            "device": "cpu",
+            "cache": {"block_size": 16, "num_kv_blocks": 512},
+            "scheduler": {"max_model_len": 1024},
+        },
+        "pools": {
+            "prefill": {"replicas": 0},
+            "decode": {"replicas": 0},
+            "mixed": {"min_replicas": 1, "max_replicas": 2, "target_running_requests": 2},
+        },
+        "served_model_name": "tiny",
+    }
+    body = {"prompt": "Hello there", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    replicas = 'splitserve_pool_replicas{pool="mixed"}'
+    with serving(config, tmp_path) as server:
+        assert server.metrics()[replicas] == 1
+        finished: list[str] = []
+
+        def stream() -> None:
+            events = server.stream("/v1/completions", body)
+            finished.append(events[-1]["choices"][0]["finish_reason"])
+
+        threads = [threading.Thread(target=stream) for _ in range(STREAMS)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 90
+        while server.metrics().get(replicas) != 2:
+            assert time.monotonic() < deadline, server.metrics().get(replicas)
+            time.sleep(0.5)
+        for t in threads:
+            t.join(timeout=180)
+        assert finished == ["length"] * STREAMS
