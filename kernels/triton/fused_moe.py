@@ -1,6 +1,7 @@
 """Triton fused MoE; reference: ``splitserve.kernels.fused_moe``.
 
-Three launches over the expert-sorted layout of ``kernels.moe_align``:
+Three launches over the expert-sorted layout of ``kernels.moe_align`` (built by
+``triton/moe_align.py``: one launch for small batches):
 
 1. grouped GEMM ``hidden[token] @ w13[expert].T`` -> ``[num_tokens * top_k, 2I]``
    (rows indexed by entry ``token * top_k + j``);
@@ -20,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.moe_align import moe_align_block_size
 from splitserve.kernels.triton.activation import silu_and_mul
+from splitserve.kernels.triton.moe_align import moe_align_block_size
 
 
 @triton.jit
