@@ -91,6 +91,22 @@ class Server:
         raise AssertionError("the server did not become healthy")
 
 
+def mixed_pool_config(
+    model_dir: Path, mixed_pool: dict, num_kv_blocks: int, max_model_len: int
+) -> dict:
+    """A serve config of one mixed pool (no prefill or decode workers) on CPU."""
+    return {
+        "engine": {
+            "model": str(model_dir),
+            "device": "cpu",
+            "cache": {"block_size": 16, "num_kv_blocks": num_kv_blocks},
+            "scheduler": {"max_model_len": max_model_len},
+        },
+        "pools": {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "mixed": mixed_pool},
+        "served_model_name": "tiny",
+    }
+
+
 @contextlib.contextmanager
 def serving(config: dict, directory: Path, startup_s: float = 180.0) -> Iterator[Server]:
     """Run ``splitserve serve`` on ``config`` (a free port is filled in) until the block ends.

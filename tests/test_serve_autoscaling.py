@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests import checkpoints
-from tests.serve_harness import serving
+from tests.serve_harness import mixed_pool_config, serving
 
 pytestmark = pytest.mark.slow
 STREAMS = 8
@@ -22,20 +22,8 @@ STREAMS = 8
 
 def test_mixed_pool_scales_up_under_load(tmp_path):
     model = checkpoints.write_qwen3(tmp_path / "model")
-    config = {
-        "engine": {
-            "model": str(model),
-            "device": "cpu",
-            "cache": {"block_size": 16, "num_kv_blocks": 512},
-            "scheduler": {"max_model_len": 1024},
-        },
-        "pools": {
-            "prefill": {"replicas": 0},
-            "decode": {"replicas": 0},
-            "mixed": {"min_replicas": 1, "max_replicas": 2, "target_running_requests": 2},
-        },
-        "served_model_name": "tiny",
-    }
+    autoscaled = {"min_replicas": 1, "max_replicas": 2, "target_running_requests": 2}
+    config = mixed_pool_config(model, autoscaled, num_kv_blocks=512, max_model_len=1024)
     body = {"prompt": "Hello there", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
     replicas = 'splitserve_pool_replicas{pool="mixed"}'
     with serving(config, tmp_path) as server:

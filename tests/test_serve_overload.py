@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from tests import checkpoints
-from tests.serve_harness import serving
+from tests.serve_harness import mixed_pool_config, serving
 
 pytestmark = pytest.mark.slow
 CONCURRENT = 8
@@ -21,20 +21,8 @@ CONCURRENT = 8
 
 def test_overloaded_pool_answers_503_and_recovers(tmp_path):
     model = checkpoints.write_qwen3(tmp_path / "model")
-    config = {
-        "engine": {
-            "model": str(model),
-            "device": "cpu",
-            "cache": {"block_size": 16, "num_kv_blocks": 256},
-            "scheduler": {"max_model_len": 256},
-        },
-        "pools": {
-            "prefill": {"replicas": 0},
-            "decode": {"replicas": 0},
-            "mixed": {"replicas": 1, "max_ongoing_requests": 1, "max_queued_requests": 1},
-        },
-        "served_model_name": "tiny",
-    }
+    limits = {"replicas": 1, "max_ongoing_requests": 1, "max_queued_requests": 1}
+    config = mixed_pool_config(model, limits, num_kv_blocks=256, max_model_len=256)
     body = {"prompt": "Hello there", "max_tokens": 96, "temperature": 0, "ignore_eos": True}
     with serving(config, tmp_path) as server:
         results: list[tuple[int, dict]] = []
