@@ -207,3 +207,22 @@ def test_prefix_caching_disabled():
     prefill(bm, a)
     assert bm.hash_to_block_id == {}
     assert bm.get_computed_blocks(make_request("b", list(range(9)))) == ([], 0)
+
+
+def test_reset_prefix_cache_forgets_hits_and_keeps_held_blocks():
+    bm = BlockManager(num_blocks=10, block_size=BS)
+    a = make_request("a", list(range(13)))
+    prefill(bm, a)
+    b = make_request("b", list(range(9)))
+    prefill(bm, b)
+    bm.free(b)  # b's cached blocks sit in the free queue
+    held = list(a.block_ids)
+    free_before = bm.num_free_blocks
+    assert bm.reset_prefix_cache() == 3  # a's 3 full blocks; b's 2 share them
+    assert bm.hash_to_block_id == {}
+    assert a.block_ids == held and [bm.blocks[x].ref_count for x in held] == [1] * 4
+    assert bm.num_free_blocks == free_before
+    c = make_request("c", list(range(13)))
+    assert bm.get_computed_blocks(c) == ([], 0)
+    prefill(bm, c)  # caching starts over
+    assert len(bm.hash_to_block_id) == 3
