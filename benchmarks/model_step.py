@@ -152,15 +152,18 @@ class StepBench:
         return time_cuda_ms(lambda: runner.forward(fb, use_graphs=use_graphs), 3, repeat)
 
 
-def profile_decode(bench: StepBench, steps: list[StepRequest]) -> None:
-    """GPU time per kernel of one eager decode step (the graph replays the same kernels)."""
+def profile_step(bench: StepBench, steps: list[StepRequest], title: str) -> None:
+    """GPU time per kernel of one eager step (a graph replays the same kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
         bench.step(steps, use_graphs=False)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         bench.step(steps, use_graphs=False)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print(f"\nGPU kernels of one eager step: {title}")
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
+    )
 
 
 def main() -> None:
@@ -169,7 +172,9 @@ def main() -> None:
     parser.add_argument("--json", help="report path (default docs/perf/model_step_<gpu>.json)")
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
     parser.add_argument(
-        "--profile", action="store_true", help="print the GPU kernels of a batch-1 decode step"
+        "--profile",
+        action="store_true",
+        help="print the GPU kernels of an eager batch-1 decode step and a 4096-token prefill",
     )
     args = parser.parse_args()
     repeat = 5 if args.quick else 20
@@ -203,7 +208,8 @@ def main() -> None:
     }
 
     if args.profile:
-        profile_decode(bench, bench.decode_steps(1))
+        profile_step(bench, bench.decode_steps(1), "decode, batch 1")
+        profile_step(bench, bench.prefill_step(PREFILL_TOKENS), f"prefill, {PREFILL_TOKENS} tokens")
 
     decode_rows, labels, ratios = [], [], []
     for batch in DECODE_BATCHES:
