@@ -47,23 +47,3 @@ def test_float32_weight_promotes_like_the_reference():
     ref = rms_norm_ref(x, weight, 1e-6)
     assert out.dtype == ref.dtype == torch.float32
     assert_close(out, ref, torch.float16)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_per_head_view_of_fused_qkv_is_read_in_place(dtype):
-    """q of a fused qkv output: [tokens, heads, head_dim] whose token stride spans q, k and v."""
-    tokens, heads, kv_heads, head_dim = 5, 4, 2, 32
-    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    weight = 1 + 0.5 * randn(head_dim, dtype=dtype)
-    with pytest.raises(RuntimeError):
-        q.view(-1, head_dim)  # rows do not flatten: the kernel must address (token, head)
-    out = rms_norm(q, weight, 1e-6)
-    assert out.shape == q.shape and out.is_contiguous()
-    assert_close(out, rms_norm_ref(q, weight, 1e-6), dtype)
-
-
-def test_many_short_rows_share_a_program():
-    x = randn(300, 16)  # 300 rows of 16: several programs of many rows, a partial last one
-    weight = 1 + 0.5 * randn(16)
-    assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), torch.float32)
