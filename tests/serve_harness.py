@@ -60,6 +60,16 @@ class Server:
                 values[name] = float(value)
         return values
 
+    def metrics_when(self, name: str, value: float, timeout: float = 10.0) -> dict[str, float]:
+        """The metrics once ``name`` reads ``value``; workers report their counters periodically."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m.get(name) == value or time.monotonic() > deadline:
+                assert m.get(name) == value, (name, m.get(name))
+                return m
+            time.sleep(0.2)
+
     def blocks(self) -> dict[str, tuple[float, float]]:
         """pool -> (free KV blocks, usable KV blocks), summed over its replicas."""
         out: dict[str, list[float]] = {}

@@ -4,7 +4,6 @@ worker over NCCL, and the tokens equal the offline engine's on one GPU."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -25,17 +24,6 @@ ENGINE = {
     "scheduler": {"max_model_len": 512, "max_num_batched_tokens": 1024, "max_num_seqs": 32},
 }
 PROMPTS = [list(range(3, 3 + n)) for n in (40, 97, 200)]  # all above local_prompt_tokens
-
-
-def _metrics_once(server, name: str, value: float, timeout: float = 10.0) -> dict[str, float]:
-    """The metrics once ``name`` reads ``value`` (workers report their counters periodically)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = server.metrics()
-        if m.get(name) == value or time.monotonic() > deadline:
-            assert m.get(name) == value, (name, m.get(name))
-            return m
-        time.sleep(0.2)
 
 
 def test_nccl_hand_off_serves_the_offline_engines_tokens(tmp_path):
@@ -82,7 +70,7 @@ def test_nccl_hand_off_serves_the_offline_engines_tokens(tmp_path):
             status, out = server.post("/v1/completions", body)
             assert status == 200, out
             assert out["choices"][0]["token_ids"] == tokens
-        m = _metrics_once(server, 'splitserve_kv_transfers_total{pool="prefill"}', len(PROMPTS))
+        m = server.metrics_when('splitserve_kv_transfers_total{pool="prefill"}', len(PROMPTS))
         assert m['splitserve_requests_total{outcome="ok",route="disaggregated"}'] == len(PROMPTS)
         assert m['splitserve_kv_transfer_bytes_total{pool="prefill"}'] > 0
 
