@@ -80,6 +80,8 @@ def test_shipped_configs_load():
         ({"pools": {"decode": {"replicas": 0}}}, "no worker can serve"),
         ({"router": {"local_prefix_hit_ratio": 0}}, "local_prefix_hit_ratio=0"),
         ({"port": 0}, "invalid port=0"),
+        ({"pools": {"decode": {"max_queued_requests": 0}}}, "pools.decode.max_queued_requests=0"),
+        ({"pools": {"prefill": {"max_ongoing_requests": 0}}}, "max_ongoing_requests=0"),
         ({"hosts": "x"}, "unknown config key 'hosts'"),
     ],
 )

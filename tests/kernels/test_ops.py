@@ -111,3 +111,26 @@ def test_tiny_model_forward(preset):
     model = tiny_model(preset, torch.float32, DEVICE)
     got, want = both_branches(lambda: prefill_then_decode(model, prompts()))
     assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_skips_slot_minus_one(dtype):
+    """The KV store both ways: the same cache bytes, padded rows (slot -1) never written."""
+    num_blocks, block_size, heads, head_dim = 6, 4, 2, 16
+    k, v = randn(5, heads, head_dim, dtype=dtype), randn(5, heads, head_dim, dtype=dtype)
+    slots = torch.tensor([5, -1, 0 + 8, 23, -1], device=DEVICE)
+
+    def store():
+        caches = [randn(num_blocks, block_size, heads, head_dim, dtype=dtype) for _ in range(2)]
+        before = [c.clone() for c in caches]
+        ops.store_kv(k, v, *caches, slots)
+        return caches, before
+
+    (got, before), (want, _) = both_branches(lambda: (torch.manual_seed(1), store())[1])
+    for g, w, b in zip(got, want, before):
+        assert torch.equal(g, w)
+        flat_g, flat_b = g.flatten(0, 1), b.flatten(0, 1)
+        written = torch.zeros(flat_g.shape[0], dtype=torch.bool, device=DEVICE)
+        written[[5, 8, 23]] = True
+        assert torch.equal(flat_g[~written], flat_b[~written])
+    assert torch.equal(got[0].flatten(0, 1)[[5, 8, 23]], k[[0, 2, 3]])
