@@ -24,6 +24,7 @@ import torch
 from splitserve.kernels.ops import store_kv
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
+from splitserve.workers.kv_cache import KVCache
 
 HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 WORKSPACE_BYTES = 256 << 20
@@ -112,7 +113,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         fb = forward_batch
         index = PagedKVIndex.of(fb)
         if fb.phase == Phase.DECODE:
-            self._plan_decode(self.decode_wrapper, index, fb.kv_cache.block_size)
+            self._plan_decode(self.decode_wrapper, index, fb.kv_cache)
             fb.attn_metadata = FlashInferMetadata(self.decode_wrapper)
             return
         self.prefill_wrapper.plan(
@@ -131,7 +132,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
-    def _plan_decode(self, wrapper: Any, index: PagedKVIndex, block_size: int) -> None:
+    def _plan_decode(self, wrapper: Any, index: PagedKVIndex, kv_cache: KVCache) -> None:
         wrapper.plan(
             index.kv_indptr,
             index.kv_indices,
@@ -139,10 +140,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            block_size,
+            kv_cache.block_size,
             sm_scale=self.head_dim**-0.5,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=kv_cache.spec.dtype,
         )
 
     def forward(
@@ -185,8 +186,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def prepare_replay(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
         wrapper = self.graph_wrappers[num_tokens]
-        block_size = forward_batch.kv_cache.block_size
-        self._plan_decode(wrapper, PagedKVIndex.of(forward_batch), block_size)
+        self._plan_decode(wrapper, PagedKVIndex.of(forward_batch), forward_batch.kv_cache)
         forward_batch.attn_metadata = FlashInferMetadata(wrapper)
 
     def clear_graphs(self) -> None:
