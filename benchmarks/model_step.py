@@ -152,18 +152,29 @@ class StepBench:
         return time_cuda_ms(lambda: runner.forward(fb, use_graphs=use_graphs), 3, repeat)
 
 
-def profile_step(bench: StepBench, steps: list[StepRequest], title: str) -> None:
-    """GPU time per kernel of one eager step (a graph replays the same kernels)."""
+def profile_step(
+    bench: StepBench,
+    steps: list[StepRequest],
+    title: str,
+    use_graphs: bool = False,
+    trace: Path | None = None,
+) -> None:
+    """GPU time per kernel of one step (eager: a graph replays the same kernels), and
+    with ``trace`` a Chrome trace of host and GPU (the GPU's idle gaps show there)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
-        bench.step(steps, use_graphs=False)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        bench.step(steps, use_graphs=False)
-    print(f"\nGPU kernels of one eager step: {title}")
+        bench.step(steps, use_graphs=use_graphs)
+    activities = [ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * (trace is not None)
+    with profile(activities=activities) as prof:
+        bench.step(steps, use_graphs=use_graphs)
+    print(f"\nGPU kernels of one {'graph' if use_graphs else 'eager'} step: {title}")
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
     )
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
 
 
 def main() -> None:
@@ -174,8 +185,10 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="print the GPU kernels of an eager batch-1 decode step and a 4096-token prefill",
+        help="print the GPU kernels of eager batch-1 and batch-64 decode steps and a "
+        "4096-token prefill",
     )
+    parser.add_argument("--trace-dir", help="with --profile: write Chrome traces there")
     args = parser.parse_args()
     repeat = 5 if args.quick else 20
     device = torch.device("cuda")
@@ -208,8 +221,22 @@ def main() -> None:
     }
 
     if args.profile:
-        profile_step(bench, bench.decode_steps(1), "decode, batch 1")
-        profile_step(bench, bench.prefill_step(PREFILL_TOKENS), f"prefill, {PREFILL_TOKENS} tokens")
+        traces = Path(args.trace_dir) if args.trace_dir else None
+
+        def trace(name: str) -> Path | None:
+            return None if traces is None else traces / f"{name}.json"
+
+        profile_step(bench, bench.decode_steps(1), "decode, batch 1", trace=trace("decode_b1"))
+        profile_step(
+            bench, bench.decode_steps(64), "decode, batch 64", True, trace("decode_b64_graph")
+        )
+        profile_step(bench, bench.decode_steps(64), "decode, batch 64", trace=trace("decode_b64"))
+        profile_step(
+            bench,
+            bench.prefill_step(PREFILL_TOKENS),
+            f"prefill, {PREFILL_TOKENS} tokens",
+            trace=trace("prefill"),
+        )
 
     decode_rows, labels, ratios = [], [], []
     for batch in DECODE_BATCHES:

@@ -3,9 +3,17 @@
 One ``plan()`` per step (it costs ~150 us of CPU), one ``run()`` per layer:
 
 - decode steps (every request adds one token): the batch-decode wrapper;
-- prefill, mixed and verify steps: the batch-prefill wrapper with a causal
-  mask aligned to the end of each request's KV, so a chunk attends its cached
-  prefix and itself, and a decode row in a mixed step is a one-token query.
+- prefill steps with no cached prefix (every request's KV is this step's
+  tokens): the ragged prefill wrapper over the step's own K and V, which the
+  Hopper (FA3) kernels read with TMA instead of page by page;
+- other prefill, mixed and verify steps: the paged prefill wrapper with a
+  causal mask aligned to the end of each request's KV, so a chunk attends its
+  cached prefix and itself, and a decode row in a mixed step is a one-token
+  query.
+
+Decode uses FlashInfer's tensor-core kernels when a KV head serves at least
+``TENSOR_CORE_GROUP`` query heads (``decode_tensor_cores``): the CUDA-core
+decode kernel is bound by its arithmetic there, not by the KV bytes.
 
 New K/V rows go into the cache with the Triton KV store before attention.
 
@@ -28,6 +36,7 @@ from splitserve.workers.kv_cache import KVCache
 
 HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 WORKSPACE_BYTES = 256 << 20
+TENSOR_CORE_GROUP = 4  # query heads per KV head from which decode runs on tensor cores
 
 
 @dataclass
@@ -61,6 +70,7 @@ class PagedKVIndex:
 @dataclass
 class FlashInferMetadata:
     wrapper: Any  # the FlashInfer wrapper planned for this step
+    ragged: bool = False  # attends the step's own K/V (no cached prefix), not the pages
 
 
 def flashinfer_supports(head_dim: int, device: torch.device) -> bool:
@@ -77,6 +87,7 @@ def flashinfer_supports(head_dim: int, device: torch.device) -> bool:
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graphs = True
+    graph_reads_block_tables = False  # prepare_replay re-plans its own index buffers
 
     def __init__(
         self,
@@ -85,6 +96,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        decode_tensor_cores: bool | None = None,  # None: from the query heads per KV head
+        ragged_prefill: bool = True,
     ):
         import flashinfer
 
@@ -101,9 +114,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._flashinfer = flashinfer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
+        if decode_tensor_cores is None:
+            decode_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_GROUP
+        self.decode_tensor_cores = decode_tensor_cores
+        self.ragged_prefill = ragged_prefill
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = self._decode_wrapper()
         self.graph_wrappers: dict[int, Any] = {}  # captured size -> decode wrapper
         self._graph_buffers: dict[str, torch.Tensor] = {}
 
@@ -115,6 +133,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         if fb.phase == Phase.DECODE:
             self._plan_decode(self.decode_wrapper, index, fb.kv_cache)
             fb.attn_metadata = FlashInferMetadata(self.decode_wrapper)
+            return
+        if self._can_run_ragged(fb):
+            self.ragged_wrapper.plan(
+                index.qo_indptr,
+                index.qo_indptr,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                causal=True,
+                sm_scale=self.head_dim**-0.5,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+            )
+            fb.attn_metadata = FlashInferMetadata(self.ragged_wrapper, ragged=True)
             return
         self.prefill_wrapper.plan(
             index.qo_indptr,
@@ -131,6 +163,20 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_data_type=fb.kv_cache.spec.dtype,
         )
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
+
+    def _can_run_ragged(self, fb: ForwardBatch) -> bool:
+        """No request has KV beyond this step's tokens, and the cache keeps K/V as computed."""
+        return (
+            self.ragged_prefill
+            and fb.phase == Phase.PREFILL
+            and fb.kv_cache.spec.dtype == self.dtype
+            and fb.query_lens == fb.seq_lens
+        )
+
+    def _decode_wrapper(self, **graph_buffers: Any) -> Any:
+        return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, **graph_buffers
+        )
 
     def _plan_decode(self, wrapper: Any, index: PagedKVIndex, kv_cache: KVCache) -> None:
         wrapper.plan(
@@ -157,6 +203,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
         store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
         meta: FlashInferMetadata = forward_batch.attn_metadata
+        if meta.ragged:
+            return meta.wrapper.run(q, k, v)
         return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))
 
     # -- decode CUDA graphs ----------------------------------------------------
@@ -173,9 +221,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def prepare_capture(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
         buffers = self._graph_buffers
-        wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
+        wrapper = self._decode_wrapper(
             use_cuda_graph=True,
             paged_kv_indptr_buffer=buffers["kv_indptr"][: num_tokens + 1],
             paged_kv_indices_buffer=buffers["kv_indices"],
