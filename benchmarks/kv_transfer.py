@@ -77,7 +77,27 @@ class _Stamp:
 
 
 class StampedNccl(_Stamp, NcclKVTransport):
-    pass
+    """Also stamps the host work per transfer: the sender's message issues (gather and
+    send launches) and the receiver's posting of all receives and scatters."""
+
+    def __init__(self, *args, **kwargs):
+        self.host: dict[str, dict[str, float]] = {}
+        super().__init__(*args, **kwargs)
+
+    def _issue(self, pair, out, send) -> None:
+        begin = time.perf_counter()
+        super()._issue(pair, out, send)
+        end = time.perf_counter()
+        h = self.host.setdefault(out.ticket.request_id, {"issue_s": 0.0})
+        h["issue_s"] += end - begin
+        h["last_issue_at"] = end
+
+    def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
+        begin = time.perf_counter()
+        super()._post_receives(pair, plan, layer_bytes, inc)
+        if inc is not None:
+            end = time.perf_counter()
+            self.host[inc.ticket.request_id] = {"post_s": end - begin, "posted_at": end}
 
 
 class StampedCpu(_Stamp, CpuKVTransport):
@@ -88,9 +108,17 @@ class Worker:
     """One side: a KV cache on the actor's GPU, both transports, and raw NCCL buffers."""
 
     def __init__(
-        self, role: str, block_size: int, tokens: int, cpu_tokens: int, seed: int, device: str
+        self,
+        role: str,
+        block_size: int,
+        tokens: int,
+        cpu_tokens: int,
+        env: dict[str, str],
+        seed: int,
+        device: str,
     ):
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.update(env)  # before any communicator: NCCL reads its settings once
         self.device = torch.device(device)
         self.tokens = tokens
         need = math.ceil(tokens / block_size)
@@ -137,11 +165,17 @@ class Worker:
         t.expect(ticket)
         return ticket.pack()
 
-    def send(self, kind: str, ticket: bytes, gap_us: float = 0) -> tuple[float, float]:
+    def send(
+        self, kind: str, ticket: bytes, gap_us: float = 0, posted_first: bool = False
+    ) -> tuple[float, float]:
         """Send every layer, each after a compute-stream sleep of ``gap_us``; return the
-        sender's clock just before the first layer and when the last sleep ended."""
+        sender's clock just before the first layer and when the last sleep ended.
+        ``posted_first``: start only once the receiver has queued its receives (as it
+        has in serving, where the announce goes out before the prefill computes)."""
         t, ticket = self.transports[kind], TransferTicket.unpack(ticket)
         t.start_send(ticket, self.blocks)
+        if posted_first:
+            ray.get(self.peer.posted.remote(ticket.request_id))
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         with torch.cuda.device(self.device):
@@ -172,6 +206,17 @@ class Worker:
                 end.synchronize()
                 times.append(begin.elapsed_time(end) * 1e3)
         return cycles / median(times)
+
+    def posted(self, rid: str, timeout: float = 10.0) -> None:
+        """Wait until this receiver has queued the receives of ``rid``."""
+        deadline = time.monotonic() + timeout
+        while "posted_at" not in self.transports["nccl"].host.get(rid, {}):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the receives of {rid} were not posted")
+            time.sleep(0.0001)
+
+    def host_times(self, rid: str) -> dict[str, float]:
+        return self.transports["nccl"].host.pop(rid, {})
 
     def finished(
         self, kind: str, rid: str, timeout: float = 60.0
@@ -299,27 +344,38 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
 # ---- driver ----------------------------------------------------------------------
 
 
-def time_transport(sender, receiver, kind: str, tag: str, warmup: int, repeat: int, gap_us=0):
-    """Median seconds of one hand-off and of its tail after the last layer's compute, and
-    whether the last one arrived intact."""
-    times, tails = [], []
+def time_transport(
+    sender, receiver, kind: str, tag: str, warmup: int, repeat: int, gap_us=0, posted_first=False
+):
+    """Median seconds of one hand-off and of its tail after the last layer's compute,
+    whether the last one arrived intact, and the median host times (seconds, relative to
+    the start where they are instants)."""
+    times, tails, host = [], [], []
     for i in range(warmup + repeat):
         last = i == warmup + repeat - 1
         if last:
             ray.get(receiver.clear.remote(ray.get(receiver.num_tokens.remote(kind))))
         rid = f"{tag}-{i}"
         ticket = ray.get(receiver.expect.remote(kind, rid))
-        start, computed = ray.get(sender.send.remote(kind, ticket, gap_us))
+        start, computed = ray.get(sender.send.remote(kind, ticket, gap_us, posted_first))
         ok, error, end = ray.get(receiver.finished.remote(kind, rid))
         sent_ok, sent_error, _ = ray.get(sender.finished.remote(kind, rid))
         if not (ok and sent_ok):
             raise RuntimeError(f"{rid} failed: receiver {error!r}, sender {sent_error!r}")
+        h = {}
+        if kind == "nccl":
+            h = ray.get([sender.host_times.remote(rid), receiver.host_times.remote(rid)])
+            h = {**h[0], **h[1]}
+            for key in ("last_issue_at", "posted_at"):
+                h[key] -= start
         if i >= warmup:
             times.append(end - start)
             tails.append(end - computed)
+            host.append(h)
     tokens = ray.get(receiver.num_tokens.remote(kind))
     intact = ray.get(sender.checksums.remote(tokens)) == ray.get(receiver.checksums.remote(tokens))
-    return median(times), median(tails), intact
+    host_median = {key: median(h[key] for h in host) for key in host[0]}
+    return median(times), median(tails), intact, host_median
 
 
 def time_raw(sender, receiver, sizes: list[int], warmup: int, repeat: int) -> float:
@@ -368,6 +424,13 @@ def main() -> None:
         help="actors ask Ray for no GPU, see both and use cuda:0 and cuda:1; by default "
         "each asks for one GPU and sees only it, as a Serve replica does",
     )
+    ap.add_argument(
+        "--env",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment of both actors (NCCL settings such as NCCL_P2P_NVL_CHUNKSIZE)",
+    )
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks after S seconds")
     ap.add_argument("--label", default="", help="the machine, for the JSON (e.g. nvidia-h200-x2)")
     ap.add_argument(
@@ -376,6 +439,13 @@ def main() -> None:
         nargs="*",
         default=[8],
         help="rows with the torch gather/scatter instead of the fused kernels",
+    )
+    ap.add_argument(
+        "--posted-first-layers-per-message",
+        type=int,
+        nargs="*",
+        default=[8],
+        help="rows that start the clock once the receiver has queued its receives",
     )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
@@ -392,9 +462,10 @@ def main() -> None:
     ray.init(include_dashboard=False, log_to_driver=True)
     if ray.cluster_resources().get("GPU", 0) < 2:
         raise SystemExit(f"needs 2 GPUs, Ray sees {ray.cluster_resources().get('GPU', 0)}")
+    env = dict(item.split("=", 1) for item in args.env)
     remote = ray.remote(num_gpus=0 if args.all_gpus_visible else 1, max_concurrency=4)(Worker)
     devices = ("cuda:0", "cuda:1") if args.all_gpus_visible else ("cuda:0", "cuda:0")
-    common = (args.tokens, args.cpu_tokens)
+    common = (args.tokens, args.cpu_tokens, env)
     sender = remote.remote("prefill", args.send_block_size, *common, 1, devices[0])
     receiver = remote.remote("decode", args.recv_block_size, *common, 2, devices[1])
     ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
@@ -417,18 +488,22 @@ def main() -> None:
     }
 
     rows = []
-    modes = [(m, "fused", gap) for gap in args.layer_gap_us for m in args.layers_per_message]
-    modes += [(m, "torch", 0) for m in args.torch_copy_layers_per_message]
-    for m, copy, gap in modes:
+    modes = [(m, "fused", gap, False) for gap in args.layer_gap_us for m in args.layers_per_message]
+    modes += [(m, "fused", 0, True) for m in args.posted_first_layers_per_message]
+    modes += [(m, "torch", 0, False) for m in args.torch_copy_layers_per_message]
+    for m, copy, gap, posted_first in modes:
         ray.get(sender.set_layers_per_message.remote(m))
         ray.get([side.set_fused_copy.remote(copy == "fused") for side in (sender, receiver)])
         sizes = [n * layer_bytes for _, n in message_plan(m, LAYERS)]
-        tag = f"nccl-m{m}-{copy}-g{gap:g}"
-        seconds, tail, intact = time_transport(sender, receiver, "nccl", tag, w, r, gap)
+        tag = f"nccl-m{m}-{copy}-g{gap:g}-p{posted_first:d}"
+        seconds, tail, intact, host = time_transport(
+            sender, receiver, "nccl", tag, w, r, gap, posted_first
+        )
         raw_same = time_raw(sender, receiver, sizes, w, r)
         print(
-            f"m={m} {copy} gap={gap:g}us: {seconds * 1e3:.3f} ms, tail {tail * 1e3:.3f} ms, "
-            f"raw {raw_same * 1e3:.3f} ms",
+            f"m={m} {copy} gap={gap:g}us posted_first={posted_first}: {seconds * 1e3:.3f} ms, "
+            f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms; host (ms): "
+            + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()),
             flush=True,
         )
         rows.append(
@@ -437,6 +512,8 @@ def main() -> None:
                 "copy": copy,
                 "layers_per_message": m,
                 "layer_gap_us": gap,
+                "posted_first": posted_first,
+                "host_ms": {k: round(v * 1e3, 3) for k, v in host.items()},
                 "tail_ms": round(tail * 1e3, 3) if gap else None,
                 "messages": len(sizes),
                 "max_message_mb": round(max(sizes) / 1e6, 1),
@@ -452,7 +529,7 @@ def main() -> None:
         )
     if args.cpu_tokens:
         cpu_bytes = LAYERS * 2 * args.cpu_tokens * HEADS * DIM * elem
-        seconds, _, intact = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
+        seconds, _, intact, _ = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
         rows.append(
             {
                 "transport": "cpu",
@@ -527,6 +604,7 @@ def main() -> None:
                 "send_block_size": args.send_block_size,
                 "layer_gap_us": args.layer_gap_us,
                 "recv_block_size": args.recv_block_size,
+                "env": args.env,
                 "warmup": w,
                 "repeat": r,
             },

@@ -189,6 +189,7 @@ def main() -> None:
         "4096-token prefill",
     )
     parser.add_argument("--trace-dir", help="with --profile: write Chrome traces there")
+    parser.add_argument("--profile-only", action="store_true", help="--profile, then stop")
     args = parser.parse_args()
     repeat = 5 if args.quick else 20
     device = torch.device("cuda")
@@ -220,7 +221,7 @@ def main() -> None:
         "weight_bytes": shape.weight_bytes,
     }
 
-    if args.profile:
+    if args.profile or args.profile_only:
         traces = Path(args.trace_dir) if args.trace_dir else None
 
         def trace(name: str) -> Path | None:
@@ -237,6 +238,8 @@ def main() -> None:
             f"prefill, {PREFILL_TOKENS} tokens",
             trace=trace("prefill"),
         )
+        if args.profile_only:
+            return
 
     decode_rows, labels, ratios = [], [], []
     for batch in DECODE_BATCHES:
