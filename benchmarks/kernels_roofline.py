@@ -17,7 +17,9 @@ bandwidth, bf16 GEMM rate):
   the weights of the experts actually chosen (distinct ids in ``topk_ids``)
   read once at the copy bandwidth, or the FLOPs at the GEMM rate if larger.
 - Elementwise at 4096 tokens x 4096 hidden: fused residual add + RMSNorm,
-  rotary (32 q heads, 8 KV heads, head dim 128, out of place), SiLU-and-mul.
+  rotary (32 q heads, 8 KV heads, head dim 128, out of place), per-head q/k
+  RMSNorm + rotary in one pass (same heads; baseline: the torch norms then
+  rotary; the row also times the unfused Triton norms and rotary), SiLU-and-mul.
 
 Ratios are floor time / measured time (1.0 = at the floor; for the
 bandwidth-bound kernels, the fraction of the copy bandwidth). Every timing is
@@ -94,6 +96,12 @@ def rotary_bytes(
     """Read and write q and k; read each token's float32 cos and sin rows once."""
     qk = 2 * num_tokens * (q_heads + kv_heads) * head_dim * dtype.itemsize
     return qk + 2 * num_tokens * rotary_dim * 4
+
+
+def qk_norm_rope_bytes(num_tokens: int, q_heads: int, kv_heads: int, head_dim: int, dtype) -> int:
+    """Rotary's bytes (full rotary) plus the two norm weights; the norm adds no pass over q, k."""
+    qk = rotary_bytes(num_tokens, q_heads, kv_heads, head_dim, head_dim, dtype)
+    return qk + 2 * head_dim * dtype.itemsize
 
 
 def silu_and_mul_bytes(num_tokens: int, d: int, dtype) -> int:
@@ -272,7 +280,9 @@ def moe_row(n: int, weights, copy_gbps: float, tflops: float, timing: dict) -> d
 
 def elementwise_rows(copy_gbps: float, timing: dict) -> list[dict]:
     from splitserve.kernels import activation, rmsnorm, rotary
+    from splitserve.kernels import qk_norm_rope as norm_rope
     from splitserve.kernels.triton import activation as tri_activation
+    from splitserve.kernels.triton import qk_norm_rope as tri_norm_rope
     from splitserve.kernels.triton import rmsnorm as tri_rmsnorm
     from splitserve.kernels.triton import rotary as tri_rotary
 
@@ -292,15 +302,18 @@ def elementwise_rows(copy_gbps: float, timing: dict) -> list[dict]:
         nbytes = rmsnorm_residual_bytes(t, h, DTYPE)
         return {**timed(nbytes, floor_ms(nbytes, copy_gbps), run, baseline, timing), "rel_err": err}
 
-    def rotary_row() -> dict:
-        q_heads, kv_heads = Q_HEADS, KV_HEADS
-        qkv = randn(t, q_heads + 2 * kv_heads, HEAD_DIM)  # q and k are views, as in attention
-        q, k = qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads]
+    def rope_inputs() -> tuple[torch.Tensor, ...]:
+        qkv = randn(t, Q_HEADS + 2 * KV_HEADS, HEAD_DIM)  # q and k are views, as in attention
+        q, k = qkv[:, :Q_HEADS], qkv[:, Q_HEADS : Q_HEADS + KV_HEADS]
         inv_freq = 1e6 ** -(torch.arange(0, HEAD_DIM, 2, device=DEVICE) / HEAD_DIM)
         freqs = torch.arange(4 * t, device=DEVICE)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos_cache, sin_cache = emb.cos(), emb.sin()
         positions = torch.randint(0, 4 * t, (t,), generator=gen, device=DEVICE)
+        return positions, q, k, emb.cos(), emb.sin()
+
+    def rotary_row() -> dict:
+        q_heads, kv_heads = Q_HEADS, KV_HEADS
+        positions, q, k, cos_cache, sin_cache = rope_inputs()
         q_out, k_out = tri_rotary.rotary_embedding(positions, q, k, cos_cache, sin_cache)
         cos, sin = cos_cache[positions], sin_cache[positions]
         errs = [rel_err(q_out, rotary.apply_rotary(q.float(), cos, sin))]
@@ -310,6 +323,27 @@ def elementwise_rows(copy_gbps: float, timing: dict) -> list[dict]:
         baseline = lambda: rotary.rotary_embedding(positions, q, k, cos_cache, sin_cache)
         nbytes = rotary_bytes(t, q_heads, kv_heads, HEAD_DIM, HEAD_DIM, DTYPE)
         return {**timed(nbytes, floor_ms(nbytes, copy_gbps), run, baseline, timing), "rel_err": err}
+
+    def qk_norm_rope_row() -> dict:
+        positions, q, k, cos_cache, sin_cache = rope_inputs()
+        qw, kw = 1 + randn(HEAD_DIM) / 10, 1 + randn(HEAD_DIM) / 10
+        args = (positions, q, k, qw, kw, eps, cos_cache, sin_cache)
+        got = tri_norm_rope.qk_norm_rope(*args)
+        f32 = (positions, q.float(), k.float(), qw.float(), kw.float(), eps, cos_cache, sin_cache)
+        want = norm_rope.qk_norm_rope(*f32)
+        err = max(check(f"qk_norm_rope {x}", rel_err(g, w)) for x, g, w in zip("qk", got, want))
+
+        def unfused():  # what the attention layer ran before: two norms (copies first), rotary
+            q_n, k_n = tri_rmsnorm.rms_norm(q, qw, eps), tri_rmsnorm.rms_norm(k, kw, eps)
+            return tri_rotary.rotary_embedding(positions, q_n, k_n, cos_cache, sin_cache)
+
+        run = lambda: tri_norm_rope.qk_norm_rope(*args)
+        baseline = lambda: norm_rope.qk_norm_rope(*args)  # the torch norms, then torch rotary
+        nbytes = qk_norm_rope_bytes(t, Q_HEADS, KV_HEADS, HEAD_DIM, DTYPE)
+        unfused_ms = roofline.time_cuda_ms(unfused, **timing)
+        print(f"  qk_norm_rope: the unfused Triton norms + rotary take {unfused_ms:.3f} ms")
+        row = timed(nbytes, floor_ms(nbytes, copy_gbps), run, baseline, timing)
+        return {**row, "unfused_triton_ms": unfused_ms, "rel_err": err}
 
     def silu_row() -> dict:
         x = randn(t, 2 * h)
@@ -327,6 +361,10 @@ def elementwise_rows(copy_gbps: float, timing: dict) -> list[dict]:
         guarded({"kernel": "rmsnorm+residual", "shape": shape}, rmsnorm_row),
         guarded(
             {"kernel": "rotary", "shape": f"{t} x ({Q_HEADS}+{KV_HEADS}) x {HEAD_DIM}"}, rotary_row
+        ),
+        guarded(
+            {"kernel": "qk_norm_rope", "shape": f"{t} x ({Q_HEADS}+{KV_HEADS}) x {HEAD_DIM}"},
+            qk_norm_rope_row,
         ),
         guarded({"kernel": "silu_and_mul", "shape": f"{t} x 2*{h}"}, silu_row),
     ]

@@ -22,6 +22,7 @@ import torch
 
 from splitserve.kernels import activation, kv_store, moe_routing, rmsnorm, rotary
 from splitserve.kernels import fused_moe as moe
+from splitserve.kernels import qk_norm_rope as norm_rope
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -67,6 +68,21 @@ def rotary_embedding(
     """q and k rotated by the cache rows of ``positions`` (partial when rotary_dim < head_dim)."""
     kernels = _triton("rotary") if use_triton(q) else rotary
     return kernels.rotary_embedding(positions, q, k, cos_cache, sin_cache)
+
+
+def qk_norm_rope(
+    positions: torch.Tensor,  # [num_tokens] int
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    q_weight: torch.Tensor,  # [head_dim]
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim] (neox layout)
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_embedding`` of the per-head ``rms_norm`` of q and k; new contiguous outputs."""
+    kernels = _triton("qk_norm_rope") if use_triton(q) else norm_rope
+    return kernels.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_cache, sin_cache)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -107,6 +107,7 @@ def test_elementwise_bytes():
     assert kr.rmsnorm_residual_bytes(4096, 4096, BF16) == (4 * 4096 + 1) * 4096 * 2
     # q (2 heads) and k (1 head) of dim 4 read and written in bf16; cos and sin float32
     assert kr.rotary_bytes(3, 2, 1, 4, 4, BF16) == 2 * 3 * 3 * 4 * 2 + 2 * 3 * 4 * 4
+    assert kr.qk_norm_rope_bytes(3, 2, 1, 4, BF16) == kr.rotary_bytes(3, 2, 1, 4, 4, BF16) + 16
     assert kr.silu_and_mul_bytes(4096, 4096, BF16) == 3 * 4096 * 4096 * 2
 
 

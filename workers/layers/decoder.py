@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from splitserve.kernels.ops import qk_norm_rope
 from splitserve.workers.forward_batch import ForwardBatch
 from splitserve.workers.layers.attention import Attention
 from splitserve.workers.layers.layernorm import RMSNorm
@@ -13,7 +14,11 @@ from splitserve.workers.layers.rotary_embedding import RotaryEmbedding
 
 
 class RopeAttention(nn.Module):
-    """qkv -> per-head q/k norm (optional) -> rotary -> paged attention -> o_proj."""
+    """qkv -> per-head q/k norm (optional) -> rotary -> paged attention -> o_proj.
+
+    With q/k norm, one fused op norms and rotates the strided q/k views of the
+    qkv output; ``q_norm`` / ``k_norm`` only hold the weights the checkpoint fills.
+    """
 
     def __init__(
         self,
@@ -43,9 +48,11 @@ class RopeAttention(nn.Module):
         q, k, v = self.qkv_proj(x)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.q_norm is None:
+            q, k = self.rotary_emb(positions, q, k)
+        else:
+            qw, kw, rope = self.q_norm.weight, self.k_norm.weight, self.rotary_emb
+            q, k = qk_norm_rope(positions, q, k, qw, kw, self.q_norm.eps, rope.cos, rope.sin)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
 
