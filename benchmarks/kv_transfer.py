@@ -85,12 +85,30 @@ class StampedNccl(_Stamp, NcclKVTransport):
         super().__init__(*args, **kwargs)
 
     def _issue(self, pair, out, send) -> None:
+        h = self.host.setdefault(
+            out.ticket.request_id, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0}
+        )
+        nccl_send = pair.send
+
+        def timed_send(buf, nbytes) -> None:
+            begin = time.perf_counter()
+            nccl_send(buf, nbytes)
+            h["nccl_send_s"] += time.perf_counter() - begin
+
+        pair.send, self._issuing = timed_send, h
         begin = time.perf_counter()
-        super()._issue(pair, out, send)
+        try:
+            super()._issue(pair, out, send)
+        finally:
+            del pair.send
         end = time.perf_counter()
-        h = self.host.setdefault(out.ticket.request_id, {"issue_s": 0.0})
         h["issue_s"] += end - begin
         h["last_issue_at"] = end
+
+    def gather(self, first, slots, out) -> None:
+        begin = time.perf_counter()
+        super().gather(first, slots, out)
+        self._issuing["gather_s"] += time.perf_counter() - begin
 
     def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
         begin = time.perf_counter()
@@ -135,6 +153,7 @@ class Worker:
         }
         self.cpu_tokens = cpu_tokens
         self.raw = None
+        self.raw_issue_s: list[float] = []
         self.sleep_cycles_per_us = self._calibrate_sleep()
 
     # ---- set-up --------------------------------------------------------------
@@ -330,7 +349,13 @@ class Worker:
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         self._raw_ops(sizes, send=True)
+        self.raw_issue_s.append(time.perf_counter() - start)
         return start
+
+    def raw_issue_ms(self) -> float:
+        """Median host time of issuing the raw sends, then forget them."""
+        issue, self.raw_issue_s = self.raw_issue_s, []
+        return median(issue) * 1e3
 
     def raw_finished(self) -> float:
         self.raw_waiter.join()
@@ -499,10 +524,13 @@ def main() -> None:
         seconds, tail, intact, host = time_transport(
             sender, receiver, "nccl", tag, w, r, gap, posted_first
         )
+        ray.get(sender.raw_issue_ms.remote())
         raw_same = time_raw(sender, receiver, sizes, w, r)
+        raw_issue_ms = ray.get(sender.raw_issue_ms.remote())
         print(
             f"m={m} {copy} gap={gap:g}us posted_first={posted_first}: {seconds * 1e3:.3f} ms, "
-            f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms; host (ms): "
+            f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms (issued in "
+            f"{raw_issue_ms:.3f}); host (ms): "
             + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()),
             flush=True,
         )
