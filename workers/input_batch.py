@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitserve.workers.attention.base import AttentionBackend
@@ -31,30 +33,32 @@ def build_forward_batch(
     """Pack the step's requests; ``plan=False`` leaves ``attn_backend.plan`` to the
     caller (a CUDA-graph runner plans its padded batch instead)."""
     block_size = kv_cache.block_size
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    logits_indices: list[int] = []
-    for r in requests:
-        start = r.num_computed
-        pos = range(start, start + len(r.new_token_ids))
-        input_ids += r.new_token_ids
-        positions += pos
-        slots += [r.block_ids[p // block_size] * block_size + p % block_size for p in pos]
-        if r.sample:
-            logits_indices.append(len(input_ids) - 1)
     query_lens = [len(r.new_token_ids) for r in requests]
     seq_lens = [r.num_computed + q for r, q in zip(requests, query_lens)]
-    max_blocks = max(len(r.block_ids) for r in requests)
-    tables = [
-        b for r in requests for b in r.block_ids + [NULL_BLOCK] * (max_blocks - len(r.block_ids))
-    ]
     cu = [0]
     for q in query_lens:
         cu.append(cu[-1] + q)
+    logits_indices = [end - 1 for r, end in zip(requests, cu[1:]) if r.sample]
+    max_blocks = max(len(r.block_ids) for r in requests)
+    tables = np.full((len(requests), max_blocks), NULL_BLOCK, dtype=np.int64)
+    for row, r in zip(tables, requests):
+        row[: len(r.block_ids)] = r.block_ids
+    positions = np.concatenate(
+        [np.arange(r.num_computed, s, dtype=np.int64) for r, s in zip(requests, seq_lens)]
+    )
+    request_of = np.repeat(np.arange(len(requests)), query_lens)
+    slots = tables[request_of, positions // block_size] * block_size + positions % block_size
     # One host tensor, one copy to the device; every field is a view of it.
-    fields = [input_ids, positions, slots, logits_indices, cu, seq_lens, tables]
-    packed = torch.tensor([v for f in fields for v in f], dtype=torch.long).to(device)
+    fields = [
+        np.fromiter(_token_ids(requests), dtype=np.int64, count=cu[-1]),
+        positions,
+        slots,
+        np.asarray(logits_indices, dtype=np.int64),
+        np.asarray(cu, dtype=np.int64),
+        np.asarray(seq_lens, dtype=np.int64),
+        tables.reshape(-1),
+    ]
+    packed = torch.from_numpy(np.concatenate(fields)).to(device)
     ids, pos, slot_mapping, logits, query_start_loc, seq_lens_t, flat_tables = packed.split(
         [len(f) for f in fields]
     )
@@ -76,3 +80,8 @@ def build_forward_batch(
     if plan:
         attn_backend.plan(fb)
     return fb
+
+
+def _token_ids(requests: list[StepRequest]) -> Iterator[int]:
+    for r in requests:
+        yield from r.new_token_ids

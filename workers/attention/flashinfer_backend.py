@@ -24,9 +24,11 @@ it with the padded batch, which rewrites those buffers before the replay.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from splitserve.kernels.ops import store_kv
@@ -51,20 +53,16 @@ class PagedKVIndex:
     @classmethod
     def of(cls, fb: ForwardBatch) -> PagedKVIndex:
         block_size = fb.kv_cache.block_size
-        indptr, indices, last = [0], [], []
-        for blocks, seq_len in zip(fb.block_ids, fb.seq_lens):
-            num_pages = -(-seq_len // block_size)
-            indices += blocks[:num_pages]
-            indptr.append(len(indices))
-            last.append(seq_len - (num_pages - 1) * block_size)
-        qo = [0]
-        for q in fb.query_lens:
-            qo.append(qo[-1] + q)
-
-        def host(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32)
-
-        return cls(host(indptr), host(indices), host(last), host(qo))
+        seq_lens = np.asarray(fb.seq_lens, dtype=np.int32)
+        pages = -(-seq_lens // block_size)
+        used = itertools.chain.from_iterable(
+            blocks[:n] for blocks, n in zip(fb.block_ids, pages.tolist())
+        )
+        indices = np.fromiter(used, dtype=np.int32, count=int(pages.sum()))
+        last = seq_lens - (pages - 1) * block_size
+        qo = np.cumsum([0, *fb.query_lens], dtype=np.int32)
+        indptr = np.cumsum(np.concatenate([[0], pages]), dtype=np.int32)
+        return cls(*(torch.from_numpy(a) for a in (indptr, indices, last, qo)))
 
 
 @dataclass
