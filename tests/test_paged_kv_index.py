@@ -1,0 +1,38 @@
+"""FlashInfer's paged-KV index (CSR on the host), built from a step's block tables."""
+
+import torch
+
+from splitserve.workers.attention.flashinfer_backend import PagedKVIndex
+from splitserve.workers.attention.torch_backend import TorchAttentionBackend
+from splitserve.workers.input_batch import StepRequest, build_forward_batch
+from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+
+
+def test_index_of_a_mixed_step_lists_only_the_pages_in_use():
+    cache = KVCache(KVCacheSpec(1, 1, 4, 16, torch.float32), 16, "cpu")
+    steps = [
+        StepRequest([7] * 10, 17, [3, 4, 9], sample=True),  # 27 tokens: 2 pages, 11 in the last
+        StepRequest([5], 32, [5, 6, 8], sample=True),  # 33 tokens: 3 pages, 1 in the last
+        StepRequest([1] * 16, 0, [2, 10], sample=False),  # 16 tokens: 1 page (block 10 unused)
+    ]
+    fb = build_forward_batch(steps, cache, TorchAttentionBackend(), "cpu", plan=False)
+    index = PagedKVIndex.of(fb)
+    assert index.kv_indptr.tolist() == [0, 2, 5, 6]
+    assert index.kv_indices.tolist() == [3, 4, 5, 6, 8, 2]
+    assert index.kv_last_page_len.tolist() == [11, 1, 16]
+    assert index.qo_indptr.tolist() == [0, 10, 11, 27]
+    for t in (index.kv_indptr, index.kv_indices, index.kv_last_page_len, index.qo_indptr):
+        assert t.dtype == torch.int32 and t.device.type == "cpu"
+
+
+def test_packed_inputs_match_the_block_tables():
+    cache = KVCache(KVCacheSpec(1, 1, 4, 4, torch.float32), 16, "cpu")
+    steps = [StepRequest([7, 8, 9], 2, [6, 3], sample=True), StepRequest([4], 0, [5], True)]
+    fb = build_forward_batch(steps, cache, TorchAttentionBackend(), "cpu", plan=False)
+    assert fb.input_ids.tolist() == [7, 8, 9, 4]
+    assert fb.positions.tolist() == [2, 3, 4, 0]
+    assert fb.slot_mapping.tolist() == [6 * 4 + 2, 6 * 4 + 3, 3 * 4 + 0, 5 * 4 + 0]
+    assert fb.block_tables.tolist() == [[6, 3], [5, 0]]
+    assert fb.query_start_loc.tolist() == [0, 3, 4]
+    assert fb.seq_lens_tensor.tolist() == [5, 1]
+    assert fb.logits_indices.tolist() == [2, 3]
