@@ -82,6 +82,7 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
     def __init__(self, *args, **kwargs):
         self.host: dict[str, dict[str, float]] = {}
+        self._issuing = {"gather_s": 0.0}  # the stamps of the transfer being issued
         super().__init__(*args, **kwargs)
 
     def _issue(self, pair, out, send) -> None:
