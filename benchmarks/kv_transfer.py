@@ -356,7 +356,7 @@ class Worker:
     def raw_issue_ms(self) -> float:
         """Median host time of issuing the raw sends, then forget them."""
         issue, self.raw_issue_s = self.raw_issue_s, []
-        return median(issue) * 1e3
+        return median(issue) * 1e3 if issue else float("nan")
 
     def raw_finished(self) -> float:
         self.raw_waiter.join()
