@@ -98,42 +98,62 @@ class KVGatherKernel:
             logger.warning("fused KV gather kernel unavailable: %s: %s", type(e).__name__, e)
             return None
 
-    def gather(self, first: int, slots: torch.Tensor, out: torch.Tensor) -> None:
-        """``out[j] = (K, V)[slots]`` of layer ``first + j``."""
-        self._launch(True, first, slots, out, 0)
+    def gather(
+        self,
+        first: int,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        """``out[j] = (K, V)[slots]`` of layer ``first + j``, on ``stream`` (default: the
+        current stream)."""
+        self._launch(True, first, slots, out, 0, stream)
 
     def scatter(
-        self, first: int, slots: torch.Tensor, kv: torch.Tensor, live: torch.Tensor | None = None
+        self,
+        first: int,
+        slots: torch.Tensor,
+        kv: torch.Tensor,
+        live: torch.Tensor | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         """``(K, V)[slots] = kv[j]`` for layer ``first + j``, unless ``live`` holds 0 then."""
         if live is not None and (live.dtype != torch.int32 or live.device != self.device):
             raise ValueError(f"live must be an int32 tensor on {self.device}, got {live}")
-        self._launch(False, first, slots, kv, 0 if live is None else live.data_ptr())
+        self._launch(False, first, slots, kv, 0 if live is None else live.data_ptr(), stream)
 
-    def _launch(self, gather: bool, first: int, slots, buf, live: int) -> None:
+    def _launch(self, gather: bool, first: int, slots, buf, live: int, stream) -> None:
+        # A transfer launches this once per message on its hot path: the stream and the
+        # device are passed, not entered as contexts.
         import cupy
         import numpy
 
         self._check(first, slots, buf)
-        handle = torch.cuda.current_stream(self.device).cuda_stream
-        stream = self._streams.get(handle)
-        if stream is None:
-            stream = self._streams[handle] = cupy.cuda.ExternalStream(handle)
         rows = buf.shape[0] * 2 * slots.numel()
         if rows == 0:
             return
-        args = [
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        handle = stream.cuda_stream
+        cupy_stream = self._streams.get(handle)
+        if cupy_stream is None:
+            cupy_stream = self._streams[handle] = cupy.cuda.ExternalStream(handle)
+        args = (
             numpy.uint64(self.table.data_ptr()),
             numpy.int32(first),
             numpy.uint64(slots.data_ptr()),
             numpy.int64(slots.numel()),
             numpy.int32(self.words),
             numpy.uint64(buf.data_ptr()),
-        ]
+        )
         if not gather:
-            args.append(numpy.uint64(live))
-        with cupy.cuda.Device(self.device.index), stream:
-            self._kernels[gather]((rows,), (min(self.words, 256),), tuple(args))
+            args += (numpy.uint64(live),)
+        kernel, block = self._kernels[gather], (min(self.words, 256),)
+        if cupy.cuda.runtime.getDevice() == self.device.index:
+            kernel((rows,), block, args, stream=cupy_stream)
+        else:
+            with cupy.cuda.Device(self.device.index):
+                kernel((rows,), block, args, stream=cupy_stream)
 
     def _check(self, first: int, slots: torch.Tensor, buf: torch.Tensor) -> None:
         layers = buf.shape[0]

@@ -9,6 +9,7 @@ frame, so they agree on every message's size and order.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -45,13 +46,23 @@ class Pair:
 
     def send(self, buf: torch.Tensor, nbytes: int) -> None:
         """Queue a send of ``buf``'s first ``nbytes`` on the NCCL stream; caller holds lock."""
-        with torch.cuda.stream(self.nccl_stream):  # (also the CUDA device)
+        with self._on_device():
             self.comm.send(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
 
     def recv(self, buf: torch.Tensor, nbytes: int) -> None:
         """Queue a receive into ``buf``'s first ``nbytes``; caller holds lock."""
-        with torch.cuda.stream(self.nccl_stream):
+        with self._on_device():
             self.comm.recv(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """The communicator's device as the current one (a no-op when it is, as in a
+        worker that sees one GPU: the stream is passed to NCCL, not entered)."""
+        index = self.nccl_stream.device.index
+        return (
+            contextlib.nullcontext()
+            if torch.cuda.current_device() == index
+            else (torch.cuda.device(index))
+        )
 
     @property
     def stream(self) -> int:

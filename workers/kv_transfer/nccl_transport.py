@@ -109,6 +109,13 @@ class _Send:
     dropped: bool = False  # the rest of the plan goes out as filler
     ring: list[torch.Tensor] = field(default_factory=list)  # staging, flat uint8
     sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None] * _RING)
+    # Reused events (each wait on one is queued before it is recorded again).
+    computed: torch.cuda.Event = field(default_factory=torch.cuda.Event)
+    gathered: list[torch.cuda.Event] = field(
+        default_factory=lambda: [torch.cuda.Event() for _ in range(_RING)]
+    )
+    kv_shape: tuple[int, ...] = ()  # a staging buffer's KV view, less the layer count
+    kv_dtype: torch.dtype = torch.uint8
 
 
 @dataclass(eq=False)
@@ -273,7 +280,8 @@ class NcclKVTransport(KVTransport):
         plan = message_plan(self.layers_per_message, t.num_layers)
         layer_bytes = self.transfer_bytes(t) // max(t.num_layers, 1)
         compute = torch.cuda.current_stream(self.device)
-        out.extra["send"] = _Send(pair, plan, layer_bytes, compute)
+        send = out.extra["send"] = _Send(pair, plan, layer_bytes, compute)
+        send.kv_shape, send.kv_dtype = _kv_row_shape(t), t.layout.torch_dtype
         out.src_slots.record_stream(pair.copy_stream)
         header = {"kind": "announce", "request_id": t.request_id, "layer_bytes": layer_bytes}
         header["messages"] = [list(m) for m in plan]
@@ -333,20 +341,21 @@ class NcclKVTransport(KVTransport):
         i = send.issued
         first, layers = send.plan[i]
         nbytes = layers * send.layer_bytes
-        buf = self._ring(pair, send, i % _RING)
+        slot = i % _RING
+        buf = self._ring(pair, send, slot)
         if not send.dropped:
-            pair.copy_stream.wait_stream(send.compute)  # the layers are computed
-            if send.sent[i % _RING] is not None:  # and the buffer's last send is done
-                pair.copy_stream.wait_event(send.sent[i % _RING])
-            with torch.cuda.stream(pair.copy_stream):
-                self.gather(first, out.src_slots, self._kv_view(buf, layers, out.ticket))
-                gathered = torch.cuda.Event()
-                gathered.record(pair.copy_stream)
-            pair.nccl_stream.wait_event(gathered)
+            send.computed.record(send.compute)  # the layers are computed
+            pair.copy_stream.wait_event(send.computed)
+            if send.sent[slot] is not None:  # and the buffer's last send is done
+                pair.copy_stream.wait_event(send.sent[slot])
+            kv = buf[:nbytes].view(send.kv_dtype).view(layers, *send.kv_shape)
+            self.gather(first, out.src_slots, kv, pair.copy_stream)
+            send.gathered[slot].record(pair.copy_stream)
+            pair.nccl_stream.wait_event(send.gathered[slot])
         pair.send(buf, nbytes)  # filler when dropped: whatever the buffer holds
-        sent = torch.cuda.Event()
-        sent.record(pair.nccl_stream)
-        send.sent[i % _RING] = sent
+        if send.sent[slot] is None:
+            send.sent[slot] = torch.cuda.Event()
+        send.sent[slot].record(pair.nccl_stream)
         send.issued += 1
 
     def _ring(self, pair: Pair, send: _Send, slot: int) -> torch.Tensor:
@@ -428,8 +437,8 @@ class NcclKVTransport(KVTransport):
     def _queue_scatter(self, pair: Pair, recv: _Recv, message, buf, inc: Incoming) -> None:
         first, layers = message
         pair.copy_stream.wait_event(recv.received[len(recv.scattered)])
-        with torch.cuda.stream(pair.copy_stream):
-            self.scatter(first, inc.dst_slots, self._kv_view(buf, layers, inc.ticket), recv.live)
+        kv = self._kv_view(buf, layers, inc.ticket)
+        self.scatter(first, inc.dst_slots, kv, recv.live, pair.copy_stream)
         recv.scattered.append(_record(pair.copy_stream))
 
     def _live_flag(self, pair: Pair) -> torch.Tensor | None:
@@ -508,25 +517,37 @@ class NcclKVTransport(KVTransport):
             raise ValueError("the fused KV copy kernel did not build here (see the log)")
         self._fused_copy = fused
 
-    def gather(self, first: int, slots: torch.Tensor, out: torch.Tensor) -> None:
+    def gather(
+        self,
+        first: int,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         """``out[j] = (K, V)[slots]`` of layer ``first + j`` (``[layers, 2, tokens, heads,
-        head_dim]``), on the current stream."""
+        head_dim]``), on ``stream`` (default: the current stream)."""
         if self.fused_copy:
-            self._kernel.gather(first, slots, out)
-        else:
+            self._kernel.gather(first, slots, out, stream)
+            return
+        with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
             gather_kv(self.kv_cache.k, self.kv_cache.v, first, slots, out)
 
     def scatter(
-        self, first: int, slots: torch.Tensor, kv: torch.Tensor, live: torch.Tensor | None = None
+        self,
+        first: int,
+        slots: torch.Tensor,
+        kv: torch.Tensor,
+        live: torch.Tensor | None = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
-        """The inverse, on the current stream; with the fused kernel, nothing once ``live``
-        holds 0."""
+        """The inverse; with the fused kernel, nothing once ``live`` holds 0."""
         if self.fused_copy:
-            self._kernel.scatter(first, slots, kv, live)
+            self._kernel.scatter(first, slots, kv, live, stream)
         elif live is not None:
             raise ValueError("a live flag needs the fused KV copy kernel")
         else:
-            scatter_kv(self.kv_cache.k, self.kv_cache.v, first, slots, kv)
+            with torch.cuda.stream(stream or torch.cuda.current_stream(self.device)):
+                scatter_kv(self.kv_cache.k, self.kv_cache.v, first, slots, kv)
 
     # ---- both -----------------------------------------------------------------
 
@@ -549,10 +570,10 @@ class NcclKVTransport(KVTransport):
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _kv_view(self, buf: torch.Tensor, layers: int, ticket: TransferTicket) -> torch.Tensor:
-        lay = ticket.layout
-        shape = (layers, 2, ticket.num_transfer_tokens, lay.num_kv_heads, lay.head_dim)
-        n = torch.Size(shape).numel() * torch.empty((), dtype=lay.torch_dtype).element_size()
-        return buf[:n].view(lay.torch_dtype).view(shape)
+        shape = (layers, *_kv_row_shape(ticket))
+        dtype = ticket.layout.torch_dtype
+        n = torch.Size(shape).numel() * dtype.itemsize
+        return buf[:n].view(dtype).view(shape)
 
     def close(self) -> None:
         super().close()
@@ -580,6 +601,12 @@ def _check_plan(ticket: TransferTicket, plan: list[tuple[int, int]], layer_bytes
     if any(n < 1 for _, n in plan):
         return f"KV announce plans an empty message: {plan}"
     return None
+
+
+def _kv_row_shape(ticket: TransferTicket) -> tuple[int, ...]:
+    """One layer of a transfer in a staging buffer: ``[2, tokens, kv_heads, head_dim]``."""
+    lay = ticket.layout
+    return (2, ticket.num_transfer_tokens, lay.num_kv_heads, lay.head_dim)
 
 
 def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
