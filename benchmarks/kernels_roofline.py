@@ -1,6 +1,7 @@
 """Triton kernels against their memory floor, with the torch references as the baseline.
 
     python benchmarks/kernels_roofline.py [--quick] [--json PATH] [--label KIND]
+    python benchmarks/kernels_roofline.py --sweep-kv-store  # KV store tilings only
 
 On one GPU, random data, after measuring the ceilings (device-to-device copy
 bandwidth, bf16 GEMM rate):
@@ -8,8 +9,13 @@ bandwidth, bf16 GEMM rate):
 - KV store (reshape-and-cache, ``kernels/triton/kv_store.py``): Qwen3-8B KV
   (8 KV heads, head dim 128, block size 16, NHD), bf16 and FP8 e4m3 (per-tensor
   scale, already calibrated), new rows written at random distinct slots of a
-  cache four times their size. Bytes: read K and V in bf16, write them in the
-  cache dtype. Target: >= 0.8 of the copy bandwidth at large token counts.
+  cache four times their size. FP8 is timed with ``calibrated=True`` (the store
+  kernel alone, as a caller that has seen its scales set calls it); the
+  ``uncal. ms`` column times the plain call (amax kernel, which returns at once,
+  then the store). Bytes: read K and V in bf16, write them in the cache dtype.
+  Target: >= 0.8 of the copy bandwidth at large token counts.
+  ``--sweep-kv-store`` times only a grid of the store's tilings instead
+  (``benchmarks/kv_store_sweep.py``).
 - MoE layer shaped like Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert
   intermediate 768, bf16): softmax top-k routing (renormalized) + fused MoE
   (``kernels/triton/moe_routing.py``, ``moe_align.py``, ``triton/fused_moe.py``)
@@ -185,10 +191,8 @@ def guarded(fields: dict, measure: Callable[[], dict]) -> dict:
         return {**fields, "error": f"{type(e).__name__}: {e}"}
 
 
-def kv_store_row(n: int, cache_dtype, copy_gbps: float, timing: dict) -> dict:
-    from splitserve.kernels import kv_store as ref
-    from splitserve.kernels.triton import kv_store as tri
-
+def kv_store_inputs(n: int, cache_dtype) -> tuple[torch.Tensor, ...]:
+    """bf16 K and V rows, NHD caches of random values, distinct random slots."""
     gen = torch.Generator(device=DEVICE).manual_seed(n)
     k, v = (
         torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE).to(DTYPE) for _ in "kv"
@@ -198,9 +202,17 @@ def kv_store_row(n: int, cache_dtype, copy_gbps: float, timing: dict) -> dict:
     k_cache, v_cache = (
         torch.randn(shape, generator=gen, device=DEVICE).to(cache_dtype) for _ in "kv"
     )
-    slots = scattered_slots(n, blocks * BLOCK_SIZE, gen, DEVICE)
+    return k, v, k_cache, v_cache, scattered_slots(n, blocks * BLOCK_SIZE, gen, DEVICE)
+
+
+def kv_store_row(n: int, cache_dtype, copy_gbps: float, timing: dict) -> dict:
+    from splitserve.kernels import kv_store as ref
+    from splitserve.kernels.triton import kv_store as tri
+
+    k, v, k_cache, v_cache, slots = kv_store_inputs(n, cache_dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     name = f"kv_store {_dtype_name(cache_dtype)} {n} tokens"
+    extra = {}
     if cache_dtype == FP8:
         scales = [torch.zeros(1, device=DEVICE) for _ in range(4)]
         ref.store_kv_fp8(k, v, k_ref, v_ref, slots, *scales[:2])
@@ -218,8 +230,15 @@ def kv_store_row(n: int, cache_dtype, copy_gbps: float, timing: dict) -> dict:
             if far > 0 or differ > 0.01:
                 raise KernelMismatch(f"{name}: {differ:.2%} differ, {far:.2%} by > one fp8 step")
         err = max(errs)
-        run = lambda: tri.store_kv_fp8(k, v, k_cache, v_cache, slots, *scales[2:])
-        baseline = lambda: ref.store_kv_fp8(k, v, k_ref, v_ref, slots, *scales[:2])
+        plain = lambda: tri.store_kv_fp8(k, v, k_cache, v_cache, slots, *scales[2:])
+        run = lambda: tri.store_kv_fp8(k, v, k_cache, v_cache, slots, *scales[2:], calibrated=True)
+        baseline = lambda: ref.store_kv_fp8(k, v, k_ref, v_ref, slots, *scales[:2], calibrated=True)
+        cache_bytes = lambda: torch.stack([c.view(torch.uint8) for c in (k_cache, v_cache)])
+        before = cache_bytes()
+        run()  # the same rows again: the calibrated store must write the same bytes
+        if not torch.equal(cache_bytes(), before):
+            raise KernelMismatch(f"{name}: calibrated=True wrote other bytes than the plain call")
+        extra["uncalibrated_ms"] = roofline.time_cuda_ms(plain, **timing)
     else:
         ref.store_kv(k, v, k_ref, v_ref, slots)
         tri.store_kv(k, v, k_cache, v_cache, slots)
@@ -227,7 +246,8 @@ def kv_store_row(n: int, cache_dtype, copy_gbps: float, timing: dict) -> dict:
         run = lambda: tri.store_kv(k, v, k_cache, v_cache, slots)
         baseline = lambda: ref.store_kv(k, v, k_ref, v_ref, slots)
     nbytes = kv_store_bytes(n, KV_HEADS, HEAD_DIM, DTYPE, cache_dtype)
-    return {**timed(nbytes, floor_ms(nbytes, copy_gbps), run, baseline, timing), "rel_err": err}
+    row = timed(nbytes, floor_ms(nbytes, copy_gbps), run, baseline, timing)
+    return {**row, **extra, "rel_err": err}
 
 
 def moe_weights() -> tuple[torch.Tensor, ...]:
@@ -378,9 +398,10 @@ BASELINE = [("torch ms", "torch_ms"), ("speed-up", "speedup")]
 SECTIONS = {
     "kv_store": (
         f"KV store, {KV_HEADS} KV heads x {HEAD_DIM}, block size {BLOCK_SIZE}, NHD, scattered "
-        f"slots; floor: bytes at the copy bandwidth (target >= {KV_TARGET})",
+        "slots, FP8 timed with calibrated=True (uncal. ms: the plain call, amax kernel + "
+        f"store); floor: bytes at the copy bandwidth (target >= {KV_TARGET})",
         [("dtype", "dtype"), ("tokens", "tokens"), ("MB", "mb"), *FIGURES,
-         ("of copy", "ratio_to_floor"), *BASELINE],
+         ("of copy", "ratio_to_floor"), ("uncal. ms", "uncalibrated_ms"), *BASELINE],
         lambda row: f"{row['dtype']} {row['tokens']}",
         "KV store: fraction of copy bandwidth",
         KV_TARGET,
@@ -466,15 +487,39 @@ def run_sections(sections: list[str], quick: bool, copy_gbps: float, tflops: flo
     return results
 
 
+def sweep_kv_store() -> None:
+    """``--sweep-kv-store``: the KV store's tilings (``kv_store_sweep.py``), nothing else."""
+    import triton
+
+    try:
+        import kv_store_sweep
+    except ImportError:
+        from benchmarks import kv_store_sweep
+
+    copy_gbps = roofline.copy_bandwidth_gbps(torch.device("cuda", torch.cuda.current_device()))
+    name = torch.cuda.get_device_name()
+    print(f"{name}, triton {triton.__version__}: copy {copy_gbps:.0f} GB/s (read + write)")
+    dtypes = [DTYPE, FP8] if torch.cuda.get_device_capability() >= (8, 9) else [DTYPE]
+    timing = {"warmup": 5, "repeat": 30, "flush_l2": True}
+    nbytes = lambda n, d: kv_store_bytes(n, KV_HEADS, HEAD_DIM, DTYPE, d)
+    kv_store_sweep.run(kv_store_inputs, nbytes, copy_gbps, timing, dtypes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     ap.add_argument("--json", help="report path (default docs/perf/kernels_<label>.json)")
     ap.add_argument("--label", help="the device kind in the file name (default: the GPU name)")
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    ap.add_argument(
+        "--sweep-kv-store", action="store_true", help="only time the KV store's tilings, print"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernels_roofline needs a CUDA GPU")
+    if args.sweep_kv_store:
+        sweep_kv_store()
+        return
 
     command = " ".join(["python benchmarks/kernels_roofline.py", *sys.argv[1:]])
     name = torch.cuda.get_device_name()

@@ -45,6 +45,8 @@ def store_kv_fp8(
     k_scale: torch.Tensor,  # [1] float32, 0 = not calibrated yet; updated in place
     v_scale: torch.Tensor,
     layout: str = "NHD",
+    *,
+    calibrated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize K/V to float8_e4m3fn with a per-tensor scale and write them at their slots.
 
@@ -56,6 +58,12 @@ def store_kv_fp8(
     After that it stays fixed, so every entry of the cache is read back with the
     scale it was written with; later values beyond ``448 * scale`` saturate.
     Returns ``(k_scale, v_scale)``, the same tensors, updated in place.
+
+    ``calibrated=True`` is the caller's promise that both scales are already > 0
+    (as vLLM stops computing scales after the first forward): the amax pass is
+    skipped and the result is that of a plain call. Pass it only after seeing the
+    scales set, e.g. read once on the host outside any CUDA graph; a scale still 0
+    would stay 0 and its rows would be written unscaled (clamped to +-448).
     """
     _check_layout(layout)
     keep = slot_mapping >= 0
@@ -64,7 +72,8 @@ def store_kv_fp8(
         if cache.dtype != FP8_DTYPE:
             raise ValueError(f"store_kv_fp8 needs a {FP8_DTYPE} cache, got {cache.dtype}")
         rows = new[keep].float()
-        calibrate_fp8_scale(scale, rows.abs().amax() if rows.numel() else rows.new_zeros(()))
+        if not calibrated:
+            calibrate_fp8_scale(scale, rows.abs().amax() if rows.numel() else rows.new_zeros(()))
         _cache_rows(cache, layout, slots, quantize_fp8(rows, scale))
     return k_scale, v_scale
 

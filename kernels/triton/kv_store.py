@@ -1,11 +1,18 @@
 """Triton KV store (reshape-and-cache); reference: ``splitserve.kernels.kv_store``.
 
-One program per (token, block of heads) reads its slot, returns at once for
-slot -1, and writes the token's K and V rows at ``(slot // block_size, slot %
-block_size)``. The layout (NHD or HND) only changes the cache strides that the
-wrapper passes, so one kernel serves both. FP8 runs two kernels and no torch op
-between them; the scale semantics are those of ``kv_store.store_kv_fp8``. A scale
-tensor holds, between and during the two launches:
+One program per (block of ``BLOCK_T`` tokens, block of heads) issues its slot,
+K and V loads together, then writes each row at ``(slot // block_size, slot %
+block_size)``; a row whose slot is -1 is loaded but not stored, so no load waits
+for a slot. The layout (NHD or HND) only changes the cache strides that the
+wrapper passes, so one kernel serves both. Heads, head dim and block size are
+compile-time constants (one compile per model): the slot split is a shift, and a
+head or dim mask exists only where the tile overhangs. The tiling (``BLOCK_T``,
+``num_warps``) comes from ``default_tiling`` unless the launcher is given one;
+every tiling writes the same bytes.
+
+FP8 runs two kernels and no torch op between them; the scale semantics are those
+of ``kv_store.store_kv_fp8``. A scale tensor holds, between and during the two
+launches:
 
 | value  | after the amax kernel                  | the store kernel                      |
 |--------|----------------------------------------|---------------------------------------|
@@ -17,7 +24,10 @@ The amax kernel returns at once when both scales are set, so a calibrated store
 reads K/V once, like a bf16 store, and neither kernel needs the host: the scale
 on the device decides (CUDA-graph capturable). Every store program computes the
 same ``a / 448`` from either state it may see, so program (0, 0) writing it back
-races with none. A refused store (bad shapes) fails before either launch.
+races with none. A refused store (bad shapes) fails before either launch. With
+``calibrated=True`` the amax kernel is not launched at all (one launch, as for
+bf16); a scale still 0 then stays 0 and the rows are written unscaled, hence the
+caller's promise in ``store_kv_fp8``.
 """
 
 from __future__ import annotations
@@ -28,29 +38,26 @@ import triton.language as tl
 
 from splitserve.kernels.kv_store import FP8_DTYPE, _check_layout, check_kv_cache_dtype
 
-MAX_TILE = 2048  # elements of one program's [BLOCK_H, BLOCK_D] tile
+MAX_TILE = 2048  # elements of one token's [BLOCK_H, BLOCK_D] tile
 AMAX_PROGRAMS = 512  # token-strided programs of the amax kernel (per block of heads)
+# default tiling: programs of up to TOKEN_TILE elements, but no fewer than MIN_PROGRAMS
+# programs (about 8 per SM of an H100 / H200) while tokens last
+TOKEN_TILE = 4096
+MIN_PROGRAMS = 1024
 
 
 @triton.jit
-def _fp8_scale(scale_ptr, write_back):
-    """The effective scale (see the table in the module docstring); ``write_back``
-    stores it when the amax kernel left ``-amax`` there."""
-    scale = tl.load(scale_ptr)
-    if scale < 0:
-        scale = tl.math.div_rn(-scale, 448.0)
-        if write_back:
-            tl.store(scale_ptr, scale)
-    return scale
+def _fp8_scale(raw):
+    """The effective scale of a loaded scale (see the table in the module docstring)."""
+    return tl.where(raw < 0, tl.math.div_rn(-raw, 448.0), raw)
 
 
 @triton.jit
-def _store_row(src, dst, scale, mask, FP8: tl.constexpr):
-    x = tl.load(src, mask=mask)
+def _to_cache(x, scale, cache_ptr, FP8: tl.constexpr):
     if FP8:
         scale = tl.where(scale > 0, scale, 1.0)
         x = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
-    tl.store(dst, x.to(dst.dtype.element_ty), mask=mask)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -62,43 +69,55 @@ def _store_kv_kernel(
     slot_ptr,
     k_scale_ptr,
     v_scale_ptr,
-    num_heads,
-    head_dim,
+    num_tokens,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
-    block_size,
     stride_cache_block,
     stride_cache_offset,
     stride_cache_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     FP8: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    # every load is issued before the first store (which could alias K or V to the
+    # compiler): slots, K and V rows, then the scales, then the stores
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slots = tl.load(slot_ptr + tokens, mask=tokens < num_tokens, other=-1).to(tl.int64)
+    tokens, slots = tokens[:, None, None], slots[:, None, None]  # [BLOCK_T, 1, 1]
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[None, :, None]
+    dims = tl.arange(0, BLOCK_D)[None, None, :]
+    rows = tokens < num_tokens  # widened only where the tile overhangs the heads or dims
+    if NUM_HEADS % BLOCK_H != 0:
+        rows = rows & (heads < NUM_HEADS)
+    if HEAD_DIM != BLOCK_D:
+        rows = rows & (dims < HEAD_DIM)
+    k = tl.load(k_ptr + tokens * stride_kt + heads * stride_kh + dims, mask=rows)
+    v = tl.load(v_ptr + tokens * stride_vt + heads * stride_vh + dims, mask=rows)
     k_scale = 1.0
     v_scale = 1.0
-    if FP8:  # before the slot test: program (0, 0) writes a new scale back
-        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
-        k_scale = _fp8_scale(k_scale_ptr, first)
-        v_scale = _fp8_scale(v_scale_ptr, first)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    if slot < 0:
-        return
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
-    dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < num_heads) & (dims < head_dim)
+    if FP8:  # both loaded before program (0, 0) writes a new scale back
+        k_raw, v_raw = tl.load(k_scale_ptr), tl.load(v_scale_ptr)
+        k_scale, v_scale = _fp8_scale(k_raw), _fp8_scale(v_raw)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            if k_raw < 0:
+                tl.store(k_scale_ptr, k_scale)
+            if v_raw < 0:
+                tl.store(v_scale_ptr, v_scale)
     dst = (
-        (slot // block_size) * stride_cache_block
-        + (slot % block_size) * stride_cache_offset
+        (slots // BLOCK_SIZE) * stride_cache_block
+        + (slots % BLOCK_SIZE) * stride_cache_offset
         + heads * stride_cache_head
         + dims
     )
-    k_src = k_ptr + token * stride_kt + heads * stride_kh + dims
-    v_src = v_ptr + token * stride_vt + heads * stride_vh + dims
-    _store_row(k_src, k_cache_ptr + dst, k_scale, mask, FP8)
-    _store_row(v_src, v_cache_ptr + dst, v_scale, mask, FP8)
+    written = rows & (slots >= 0)
+    tl.store(k_cache_ptr + dst, _to_cache(k, k_scale, k_cache_ptr, FP8), mask=written)
+    tl.store(v_cache_ptr + dst, _to_cache(v, v_scale, v_cache_ptr, FP8), mask=written)
 
 
 @triton.jit
@@ -166,8 +185,15 @@ def store_kv_fp8(
     k_scale: torch.Tensor,  # [1] float32, 0 = not calibrated yet; updated in place
     v_scale: torch.Tensor,
     layout: str = "NHD",
+    *,
+    calibrated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantizing store; scale semantics as ``kv_store.store_kv_fp8`` (calibrated once)."""
+    """Quantizing store; scale semantics as ``kv_store.store_kv_fp8`` (calibrated once).
+
+    ``calibrated=True`` skips the amax kernel: one launch instead of two. Pass it
+    only once both scales are known to be > 0 (e.g. read once on the host, outside
+    any CUDA graph, after a first store); the result is then that of a plain call.
+    """
     if k_cache.dtype != FP8_DTYPE or v_cache.dtype != FP8_DTYPE:
         raise ValueError(f"store_kv_fp8 needs {FP8_DTYPE} caches, got {k_cache.dtype}")
     check_kv_cache_dtype(k_cache.dtype, k_cache.device)
@@ -177,7 +203,7 @@ def store_kv_fp8(
     # checked before the amax kernel, which leaves -amax in an uncalibrated scale
     geometry = _geometry(k, v, k_cache, v_cache, layout)
     num_tokens, num_heads, head_dim = k.shape
-    if num_tokens:
+    if num_tokens and not calibrated:
         k, v, slot_mapping = _rows(k), _rows(v), slot_mapping.contiguous()
         block_h, block_d = _tile(num_heads, head_dim)
         grid = (min(num_tokens, AMAX_PROGRAMS), triton.cdiv(num_heads, block_h))
@@ -187,6 +213,15 @@ def store_kv_fp8(
         )  # fmt: skip
     _launch(k, v, k_cache, v_cache, slot_mapping, geometry, k_scale, v_scale)
     return k_scale, v_scale
+
+
+def default_tiling(num_tokens: int, num_heads: int, head_dim: int) -> tuple[int, int]:
+    """``(BLOCK_T, num_warps)`` of the store kernel: the most tokens per program (a power
+    of 2) that keeps its tile within ``TOKEN_TILE`` elements and ``MIN_PROGRAMS`` programs
+    busy; one token per program below ``2 * MIN_PROGRAMS`` tokens."""
+    block_h, block_d = _tile(num_heads, head_dim)
+    limit = max(1, min(TOKEN_TILE // (block_h * block_d), num_tokens // MIN_PROGRAMS))
+    return 1 << (limit.bit_length() - 1), 4
 
 
 def _geometry(k, v, k_cache, v_cache, layout) -> tuple[int, int, int, int]:
@@ -208,18 +243,28 @@ def _geometry(k, v, k_cache, v_cache, layout) -> tuple[int, int, int, int]:
     return block_size, stride_block, stride_offset, stride_head
 
 
-def _launch(k, v, k_cache, v_cache, slot_mapping, geometry, k_scale, v_scale) -> None:
+def _launch(
+    k, v, k_cache, v_cache, slot_mapping, geometry, k_scale, v_scale,
+    *, block_t: int | None = None, num_warps: int | None = None,
+) -> None:  # fmt: skip
+    """The store kernel alone; ``block_t`` (a power of 2) and ``num_warps`` default to
+    ``default_tiling``'s."""
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     k, v, slot_mapping = _rows(k), _rows(v), slot_mapping.contiguous()
     block_h, block_d = _tile(num_heads, head_dim)
+    default_t, default_warps = default_tiling(num_tokens, num_heads, head_dim)
+    block_t, num_warps = block_t or default_t, num_warps or default_warps
+    block_size, *strides = geometry
     fp8 = k_scale is not None
-    _store_kv_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_heads, block_h))
+    _store_kv_kernel[grid](
         k, v, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else k_cache, v_scale if fp8 else v_cache,
-        num_heads, head_dim, *k.stride()[:2], *v.stride()[:2], *geometry,
-        FP8=fp8, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_tokens, *k.stride()[:2], *v.stride()[:2], *strides,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, FP8=fp8,
+        BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
     )  # fmt: skip
 
 

@@ -74,6 +74,74 @@ def test_unknown_layout_and_mismatched_cache_are_refused():
         tri.store_kv(k, v, k_cache.to(FP8), v_cache.to(FP8), slots)
 
 
+# --- tilings: BLOCK_T tokens per program -------------------------------------------------
+
+TILINGS = [(2, 1), (4, 2), (8, 4)]  # (BLOCK_T, num_warps)
+# 13 tokens (no multiple of 2, 4 or 8); 20 heads x 128 split over two programs of 16 heads
+TILING_SHAPES = [SHAPES[1], (11, 20, 128, 4, 4)]
+
+
+def tiled_inputs(shape, layout, dtype, cache_dtype):
+    """As ``make_inputs``, with slot -1 exactly at tokens 1, 5 and 6: inside the first
+    program of 2 or 8 tokens and the second of 4, never at a program's first token only."""
+    k, v, k_cache, v_cache, slots = make_inputs(shape, layout, dtype, cache_dtype)
+    num_tokens, _, _, block_size, num_blocks = shape
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slots[[1, 5, 6]] = -1
+    return k, v, k_cache, v_cache, slots
+
+
+def launch(k, v, k_cache, v_cache, slots, layout, tiling, scales=(None, None)):
+    """The store kernel alone with a given (BLOCK_T, num_warps)."""
+    geometry = tri._geometry(k, v, k_cache, v_cache, layout)
+    block_t, num_warps = tiling
+    tri._launch(
+        k, v, k_cache, v_cache, slots, geometry, *scales, block_t=block_t, num_warps=num_warps
+    )
+
+
+@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("shape", TILING_SHAPES)
+def test_tilings_match_reference(shape, layout, tiling):
+    k, v, k_cache, v_cache, slots = tiled_inputs(shape, layout, torch.float32, torch.float32)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref.store_kv(k, v, k_ref, v_ref, slots, layout)
+    launch(k, v, k_cache, v_cache, slots, layout, tiling)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@needs_fp8
+@pytest.mark.parametrize("tiling", TILINGS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_fp8_tilings_match_reference_and_write_the_scale_back(layout, tiling):
+    """K's scale as the amax kernel leaves it (-amax), V's set: the tiled store writes
+    ``amax / 448`` back and quantizes like the reference (exact: representable values)."""
+    k, v, k_cache, v_cache, slots = tiled_inputs(TILING_SHAPES[1], layout, torch.float32, FP8)
+    for x in (k, v):
+        x.copy_(e4m3_values(x.numel()).view(x.shape) * 0.125)
+    scales = [torch.tensor([s], device=DEVICE) for s in (0.125, 0.0625, -56.0, 0.0625)]
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref.store_kv_fp8(k, v, k_ref, v_ref, slots, *scales[:2], layout, calibrated=True)
+    launch(k, v, k_cache, v_cache, slots, layout, tiling, scales[2:])
+    assert scales[2].item() == 0.125 and scales[3].item() == 0.0625
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+def test_default_tiling():
+    """One token per program while tokens are few; else whole powers of 2 per program, the
+    tile bounded and at least MIN_PROGRAMS programs."""
+    for n in (1, 7, 512, 2 * tri.MIN_PROGRAMS - 1):
+        assert tri.default_tiling(n, 8, 128)[0] == 1
+    for n, heads, dim in [(4096, 8, 128), (16384, 8, 128), (10**6, 3, 80), (10**6, 64, 256)]:
+        block_t, _ = tri.default_tiling(n, heads, dim)
+        block_h, block_d = tri._tile(heads, dim)
+        assert block_t > 1 or block_h * block_d * 2 > tri.TOKEN_TILE
+        assert block_t & (block_t - 1) == 0 and block_t * block_h * block_d <= tri.TOKEN_TILE
+        assert -(-n // block_t) >= tri.MIN_PROGRAMS
+
+
 # --- FP8 -------------------------------------------------------------------------------
 
 
@@ -194,6 +262,72 @@ def test_store_kv_fp8_matches_reference_on_gpu(dtype, layout):
         # the quotient x / scale may round differently by one fp8 ulp, rarely
         assert ((a - b).abs() <= b.abs() * 2**-3 + scale * 2**-9).all()
         assert (a == b).float().mean() > 0.99
+
+
+@needs_fp8
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_calibrated_store_equals_the_plain_store_when_scales_are_set(layout):
+    k, v, k_cache, v_cache, slots = make_inputs(SHAPES[1], layout, torch.float32, FP8)
+    for x in (k, v):
+        x.copy_(e4m3_values(x.numel()).view(x.shape) * 0.125)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(4)]
+    scales = [[torch.tensor([s], device=DEVICE) for s in (0.125, 0.0625)] for _ in range(4)]
+    for store, (kc, vc), (ks, vs), calibrated in zip(
+        (tri.store_kv_fp8, tri.store_kv_fp8, ref.store_kv_fp8, ref.store_kv_fp8),
+        caches, scales, (False, True, False, True),
+    ):  # fmt: skip
+        store(k, v, kc, vc, slots, ks, vs, layout, calibrated=calibrated)
+    assert all([ks.item(), vs.item()] == [0.125, 0.0625] for ks, vs in scales)
+    for kc, vc in caches[1:]:
+        assert torch.equal(kc.view(torch.uint8), caches[0][0].view(torch.uint8))
+        assert torch.equal(vc.view(torch.uint8), caches[0][1].view(torch.uint8))
+    assert not torch.equal(caches[0][0].view(torch.uint8), k_cache.view(torch.uint8))
+
+
+@needs_fp8
+def test_calibrated_flag_skips_the_amax_pass():
+    """A caller that breaks the promise shows the skip: unset scales stay 0 (a plain call
+    would set them) and the rows are written unscaled, clamped to +-448, in both stores."""
+    k, v, k_cache, v_cache, slots = make_inputs(SHAPES[0], "NHD", torch.float32, FP8)
+    for x in (k, v):
+        x.copy_(e4m3_values(x.numel()).view(x.shape))
+    k[0, 0, 0] = 1000.0  # saturates
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    scales = [torch.zeros(1, device=DEVICE) for _ in range(4)]
+    tri.store_kv_fp8(k, v, k_cache, v_cache, slots, *scales[:2], calibrated=True)
+    ref.store_kv_fp8(k, v, k_ref, v_ref, slots, *scales[2:], calibrated=True)
+    assert all(scale.item() == 0.0 for scale in scales)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    keep = slots >= 0
+    written = k_cache.view(-1, *k.shape[1:])[slots[keep]].float()
+    assert torch.equal(written, k[keep].clamp(-448, 448))
+    tri.store_kv_fp8(k, v, k_cache, v_cache, slots, *scales[:2])
+    assert scales[0].item() > 0 and scales[1].item() > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@needs_fp8
+def test_fp8_tilings_and_calibrated_flag_write_the_same_bytes_on_gpu(layout):
+    """Random bf16 rows: after a calibrating store, every tiling and ``calibrated=True`` write
+    byte for byte what the plain call writes."""
+    k, v, k_cache, v_cache, slots = make_inputs(GPU_SHAPES[0], layout, torch.bfloat16, FP8)
+    k_scale, v_scale = torch.zeros(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+    tri.store_kv_fp8(k, v, k_cache.clone(), v_cache.clone(), slots, k_scale, v_scale, layout)
+    assert k_scale.item() > 0 and v_scale.item() > 0
+    want = k_cache.clone(), v_cache.clone()
+    tri.store_kv_fp8(k * 2, v, *want, slots, k_scale, v_scale, layout)
+    got = k_cache.clone(), v_cache.clone()
+    tri.store_kv_fp8(k * 2, v, *got, slots, k_scale, v_scale, layout, calibrated=True)
+    outs = [got]
+    for tiling in [(1, 4), (4, 4), (8, 8), (16, 8)]:
+        outs.append((k_cache.clone(), v_cache.clone()))
+        launch(k * 2, v, *outs[-1], slots, layout, tiling, (k_scale, v_scale))
+    for out in outs:
+        assert torch.equal(out[0].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(out[1].view(torch.uint8), want[1].view(torch.uint8))
 
 
 @pytest.mark.gpu
