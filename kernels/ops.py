@@ -22,6 +22,7 @@ import torch
 
 from splitserve.kernels import activation, kv_store, moe_routing, rmsnorm, rotary
 from splitserve.kernels import fused_moe as moe
+from splitserve.kernels import linear as dense
 from splitserve.kernels import qk_norm_rope as norm_rope
 
 
@@ -135,3 +136,14 @@ def fused_moe(
     """
     kernels = _triton("fused_moe") if use_triton(hidden) else moe
     return kernels.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N]
+    """``x @ weight.T + bias``. On CUDA: a weight-streaming kernel for up to 16 rows
+    (decode) in bf16 / fp16, ``F.linear`` (cuBLAS) for anything else."""
+    kernels = _triton("linear") if use_triton(x) else dense
+    return kernels.linear(x, weight, bias)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.kernels.ops import linear
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int):
@@ -25,4 +27,4 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[num_rows, vocab]`` (the matmul runs in the model's dtype)."""
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight).float()

@@ -2,14 +2,16 @@
 
 Every fused parameter carries ``weight_loader(param, loaded_weight, shard_id)``;
 the model's weight map (``workers/models/weights.py``) says which checkpoint
-tensor is which shard.
+tensor is which shard. The matmul is ``kernels.ops.linear``: ``F.linear`` on
+CPU, on CUDA a weight-streaming Triton kernel for decode-sized batches.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from splitserve.kernels.ops import linear
 
 
 class Linear(nn.Module):
@@ -21,7 +23,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(nn.Module):
@@ -47,7 +49,7 @@ class MergedLinear(nn.Module):
         param.data[start : start + size].copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVLinear(MergedLinear):

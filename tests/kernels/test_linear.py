@@ -1,0 +1,223 @@
+"""The Triton linear (``kernels/triton/linear.py``) against ``F.linear`` in float32.
+
+On CPU the kernel runs through Triton's interpreter, in bf16 and fp16 too: the
+interpreter rounds float32 to bf16 by truncation (the GPU rounds to nearest), so
+bf16 results may sit one ulp (2^-7 relative) from the rounded reference; that
+is inside ``RTOL``. Its ``tl.dot`` mistakes bf16 for integers, so the
+``_interpreter_bf16_dot`` fixture hands it float32 copies (exact: products of
+bf16 values, summed in float32).
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.kernels import linear as reference
+from splitserve.kernels import ops
+from splitserve.kernels.triton import linear as tri
+from splitserve.kernels.triton.linear import LinearConfig, default_config
+from splitserve.workers.layers.linear import Linear, MergedLinear
+from tests.kernels.utils import (
+    DEVICE,
+    ON_GPU,
+    assert_close,
+    prefill_then_decode,
+    prompts,
+    randn,
+    tiny_model,
+)
+
+HALF = [torch.bfloat16, torch.float16]
+ROWS = [1, 2, 3, 8, 16]
+# (N, K): N not a multiple of block_n = 16, K not a multiple of block_k = 64
+SHAPES = [(40, 200), (33, 96)]
+GPU_SHAPES = [(6144, 4096), (4096, 12288), (1000, 4000), (151936, 4096)]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_bf16_dot(monkeypatch):
+    if ON_GPU:
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def as_float32(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle(
+            (h.data.astype(np.uint32) << 16).view(np.float32), tl.float32
+        )
+
+    def patched(self, a, b, d, *args):
+        return create_dot(self, as_float32(a), as_float32(b), d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", patched)
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool):
+    x = randn(m, k, dtype=dtype)
+    w = (randn(n, k) / k**0.5).to(dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def want(x, w, b) -> torch.Tensor:
+    """The reference on float32 copies of the operands."""
+    return reference.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])  # 3: 4 K tiles as 2 + 2 + an empty split
+@pytest.mark.parametrize("m,use_dot", [(1, False)] + [(m, True) for m in ROWS])
+def test_matches_reference(m, use_dot, split_k, bias, dtype):
+    """The GEMV (one row) and the ``tl.dot`` path, with and without split-K."""
+    n, k = SHAPES[0]
+    x, w, b = operands(m, n, k, dtype, bias)
+    config = LinearConfig(block_n=16, block_k=64, split_k=split_k, use_dot=use_dot)
+    out = tri.small_m_linear(x, w, b, config)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_close(out, want(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(
+    "shape", SHAPES + [(40, 4096)] + [pytest.param(s, marks=pytest.mark.gpu) for s in GPU_SHAPES]
+)
+def test_default_config_matches_reference(shape, m, dtype):
+    """``linear`` with the heuristic's tiles; (40, 4096) splits K (2 at one row, 8 above)."""
+    n, k = shape
+    x, w, b = operands(m, n, k, dtype, bias=True)
+    assert tri.supported(x, w, b)
+    assert_close(tri.linear(x, w, b), want(x, w, b), dtype)
+
+
+def test_leading_dims_and_strided_rows():
+    n, k = SHAPES[1]
+    x, w, b = operands(6, n, k, torch.bfloat16, bias=True)
+    rows = torch.cat([x, x], dim=1)[:, :k]  # row stride 2k
+    got = tri.linear(rows.view(2, 3, k), w, b)
+    assert got.shape == (2, 3, n)
+    assert_close(got.view(6, n), want(x, w, b), torch.bfloat16)
+    cols = torch.stack([x, x], dim=-1)[..., 0]  # stride 2 along K: copied first
+    assert_close(tri.linear(cols, w, b), want(x, w, b), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["many rows", "float32", "transposed weight", "fp16 bias", "strided bias", "no rows"],
+)
+def test_falls_back_to_f_linear(case, monkeypatch):
+    m, n, k = 17, 24, 32
+    x, w, b = operands(m, n, k, torch.bfloat16, bias=True)
+    if case == "float32":
+        x, w, b = x.float(), w.float(), b.float()
+    elif case != "many rows":
+        x = x[:2]
+    if case == "transposed weight":
+        w = w.t().contiguous().t()
+    elif case == "fp16 bias":
+        b = b.half()
+    elif case == "strided bias":
+        b = torch.stack([b, b], dim=-1)[:, 0]
+    elif case == "no rows":
+        x = x[:0]
+    assert not tri.supported(x, w, b)
+    monkeypatch.setattr(tri, "small_m_linear", None)  # calling the kernel would raise
+    if case == "fp16 bias":  # F.linear refuses it: so must linear
+        with pytest.raises(RuntimeError):
+            F.linear(x, w, b)
+        with pytest.raises(RuntimeError):
+            tri.linear(x, w, b)
+        return
+    assert torch.equal(tri.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="power of two"):
+        LinearConfig(block_n=24, block_k=64)
+    with pytest.raises(ValueError, match=">= 16"):
+        LinearConfig(block_n=8, block_k=64, use_dot=True)
+    with pytest.raises(ValueError, match="split_k"):
+        LinearConfig(block_n=16, block_k=64, split_k=0)
+    x, w, _ = operands(2, 8, 32, torch.bfloat16, bias=False)
+    with pytest.raises(ValueError, match="one-row GEMV; got 2 rows"):
+        tri.small_m_linear(x, w, None, LinearConfig(block_n=8, block_k=32, use_dot=False))
+    with pytest.raises(ValueError, match=r"weight must be \[N, 32\]"):
+        tri.small_m_linear(x, w[:, :16])
+
+
+QWEN3_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n,k", QWEN3_8B)
+def test_default_config_on_decode_shapes(n, k, m):
+    """Whole K tiles (no masks), the GEMV for one row, and a grid that covers the SMs."""
+    num_sms = 132
+    cfg = default_config(m, n, k, num_sms)
+    assert k % cfg.block_k == 0
+    assert cfg.use_dot == (m > 1)
+    programs = -(-n // cfg.block_n) * cfg.split_k
+    assert programs >= num_sms
+    tiles_per_split = k // cfg.block_k // cfg.split_k
+    assert cfg.split_k == 1 or tiles_per_split >= tri.MIN_TILES_PER_SPLIT
+
+
+def test_ops_dispatch_both_branches(monkeypatch):
+    x, w, b = operands(3, 40, 96, torch.bfloat16, bias=True)
+    got = {}
+    for triton in (True, False):
+        monkeypatch.setattr(ops, "use_triton", lambda t, triton=triton: triton)
+        got[triton] = ops.linear(x, w, b)
+    assert torch.equal(got[False], F.linear(x, w, b))
+    assert_close(got[True], want(x, w, b), torch.bfloat16)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "qwen3-moe-tiny", "glm4-moe-tiny"])
+def test_model_projections_and_lm_head_call_ops_linear(preset, monkeypatch):
+    """Each dense projection of the decoder layers and the LM head call ``ops.linear``
+    once a forward; nothing else does (MoE experts, routers, embedding); the logits
+    are unchanged."""
+    model = tiny_model(preset, torch.float32, DEVICE)
+    want_logits = prefill_then_decode(model, prompts())
+    calls = []
+
+    def spy(x, weight, bias=None):
+        calls.append(weight.shape[0])
+        return F.linear(x, weight, bias)
+
+    monkeypatch.setattr(reference, "linear", spy)
+    monkeypatch.setattr(tri, "linear", spy)
+    assert torch.equal(prefill_then_decode(model, prompts()), want_logits)
+    projections = [
+        module.weight.shape[0]
+        for module in model.model.layers.modules()
+        if isinstance(module, Linear | MergedLinear)
+    ]
+    assert projections and sorted(calls) == sorted(2 * (projections + [model.config.vocab_size]))
+
+
+def test_benchmark_sweep_grid_and_totals():
+    """``benchmarks/linear_roofline.py``'s pure parts: a modest grid that starts with
+    the default and keeps whole K tiles; a decode step's totals weight shapes by layer."""
+    from benchmarks import linear_roofline as bench
+
+    for n, k in bench.SHAPES.values():
+        for m in bench.SWEEP_ROWS:
+            configs = bench.sweep_configs(m, n, k, num_sms=132)
+            assert configs[0] == default_config(m, n, k, 132)
+            assert 5 <= len(configs) <= 35 and len(set(configs)) == len(configs)
+            assert all(k % c.block_k == 0 and (c.use_dot or m == 1) for c in configs)
+    assert bench.linear_bytes(2, 3, 5) == 2 * (15 + 10 + 6)
+    rows = [
+        {"shape": s, "m": 1, "floor_us": 1.0, "cublas_us": 2.0, "triton_us": 1.5}
+        for s in bench.SHAPES
+    ]
+    (total,) = bench.decode_totals(rows)
+    calls = 4 * bench.LAYERS + 1
+    assert total["floor_us"] == calls and total["speedup"] == pytest.approx(4 / 3)
