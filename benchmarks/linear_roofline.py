@@ -6,7 +6,7 @@ On one GPU, bf16, random data: the Qwen3-8B projections (qkv 4096->6144,
 o 4096->4096, gate_up 4096->24576, down 12288->4096, LM head 4096->151936) at
 M = 1..64 rows, through ``F.linear`` (cuBLAS) and the Triton kernel of
 ``kernels/triton/linear.py`` with its default tiles (``ops.linear`` uses it up
-to ``MAX_M`` = 16 rows; larger M are timed for comparison). The floor is the
+to ``MAX_M`` rows; larger M are timed for comparison). The floor is the
 bytes (weight, x, out) at the device-to-device copy bandwidth measured in the
 same run; ``x floor`` is time / floor (below 1: faster than a copy of those
 bytes). Each timing is the median of CUDA-event spans with L2 flushed before
@@ -94,7 +94,7 @@ def sweep_configs(m: int, n: int, k: int, num_sms: int) -> list[LinearConfig]:
     tiles = [(t, True) for t in DOT_TILES]
     if m == 1:
         tiles = [(t, False) for t in GEMV_TILES] + tiles[:3]
-    configs = [default_config(m, n, k, num_sms)]
+    configs = [default_config(m, n, k)]
     for (block_n, block_k, warps, stages), use_dot in tiles:
         if k % block_k:
             continue
@@ -141,7 +141,7 @@ def measure_row(name: str, m: int, ops: Operands, copy_gbps: float, timing: dict
     n, k = SHAPES[name]
     x, w = ops.x(m), ops.weight
     ref = F.linear(x.float(), ops.weight_f32)
-    cfg = default_config(m, n, k, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+    cfg = default_config(m, n, k)
     row = {"shape": name, "n": n, "k": k, "m": m, "config": describe(cfg)}
     row["ops_uses"] = "triton" if m <= MAX_M else "cublas"
     row["floor_us"] = floor_us(linear_bytes(m, n, k), copy_gbps)

@@ -1,6 +1,6 @@
 """Triton linear for a few rows (decode); reference: ``splitserve.kernels.linear``.
 
-``out [M, N] = x [M, K] @ weight [N, K]^T + bias``. At decode M is 1..16, so the
+``out [M, N] = x [M, K] @ weight [N, K]^T + bias``. At decode M is small, so the
 matmul is a stream of the weight: the kernel's job is to read it once, at the
 memory's rate. A program owns ``BLOCK_N`` weight rows and one of ``split_k``
 slices of K (whole ``BLOCK_K`` tiles); it walks its slice in
@@ -21,6 +21,13 @@ to the host, so a call can be captured in a CUDA graph. Tiles come from
 ``default_config``, not from autotuning (which syncs and times kernels, also
 during capture); ``benchmarks/linear_roofline.py --sweep`` times alternatives.
 
+Measured on an H200 (``--sweep``, Qwen3-8B shapes): at one row the GEMV on
+``[16, 512]`` tiles without a K split beats cuBLAS by 4-10% per projection
+(5% on the LM head); at 4 to 64 rows cuBLAS is as fast or faster, so
+``linear`` takes the kernel for one row only. Splitting K was slower in every
+case measured (a 6144 x 4096 GEMV: 59 us split in two, 22 us unsplit); it stays
+available to ``small_m_linear`` through an explicit config.
+
 Weight rows past N are not masked on load: they re-read row ``N - 1`` (always
 in bounds) and are dropped on store, so loads stay unmasked when
 ``K % BLOCK_K == 0``.
@@ -28,7 +35,6 @@ in bounds) and are dropped on store, so loads stay unmasked when
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,12 +42,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_M = 16  # ``linear`` uses the kernel up to this many rows, cuBLAS above
+MAX_M = 1  # ``linear`` uses the kernel up to this many rows, cuBLAS above (measured)
 DTYPES = (torch.bfloat16, torch.float16)
 REDUCE_BLOCK = 1024
-DEFAULT_SMS = 132  # H200 / H100 SXM; used when the tensors are not on a GPU (interpreter)
-PROGRAMS_PER_SM = 4  # default_config splits K until the grid has this many programs per SM
-MIN_TILES_PER_SPLIT = 4  # ... while each split keeps this many K tiles
 
 
 @dataclass(frozen=True)
@@ -209,7 +212,7 @@ def small_m_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         return F.linear(x, weight, bias) if k == 0 else out.view(*lead, n)
-    cfg = config or default_config(m, n, k, _num_sms(x.device))
+    cfg = config or default_config(m, n, k)
     block_m = cfg.block_m(m)
     has_bias, partial = bias is not None, cfg.split_k > 1
     b = bias if has_bias else out  # a placeholder when there is none: never read
@@ -227,34 +230,14 @@ def small_m_linear(
     return out.view(*lead, n)
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> LinearConfig:
-    """Tiles for ``[m, k] @ [n, k]^T`` on a GPU with ``num_sms`` SMs.
+def default_config(m: int, n: int, k: int) -> LinearConfig:
+    """Tiles for ``[m, k] @ [n, k]^T``, from the H200 sweep (module docstring).
 
-    One row: the GEMV on ``[16, 512]`` tiles (16 KiB a stage, 64 float32
-    partial products a lane at 4 warps); more rows: ``tl.dot`` on ``[32, 128]``.
-    Four stages each. K is split (powers of two) until the grid has
-    ``PROGRAMS_PER_SM`` programs an SM, as long as each split keeps
-    ``MIN_TILES_PER_SPLIT`` tiles for the pipeline to fill. An estimate from the
-    bytes a GPU must keep in flight to stream at full rate, not a measurement:
-    ``benchmarks/linear_roofline.py --sweep`` says what to change.
+    One row: the GEMV on ``[16, 512]`` tiles; more rows: ``tl.dot`` on
+    ``[32, 128]``. Four warps, four stages, no K split.
     """
     if m == 1:
         cfg = LinearConfig(block_n=16, block_k=512, num_warps=4, num_stages=4, use_dot=False)
     else:
         cfg = LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, use_dot=True)
-    block_k = min(cfg.block_k, max(triton.next_power_of_2(k), 16))
-    tiles, programs = triton.cdiv(k, block_k), triton.cdiv(n, cfg.block_n)
-    split_k = 1
-    while (
-        programs * split_k < PROGRAMS_PER_SM * num_sms
-        and tiles // (2 * split_k) >= MIN_TILES_PER_SPLIT
-    ):
-        split_k *= 2
-    return replace(cfg, block_k=block_k, split_k=split_k)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return replace(cfg, block_k=min(cfg.block_k, max(triton.next_power_of_2(k), 16)))
