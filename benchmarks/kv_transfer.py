@@ -106,9 +106,9 @@ class StampedNccl(_Stamp, NcclKVTransport):
         h["issue_s"] += end - begin
         h["last_issue_at"] = end
 
-    def gather(self, first, slots, out) -> None:
+    def gather(self, first, slots, out, stream=None) -> None:
         begin = time.perf_counter()
-        super().gather(first, slots, out)
+        super().gather(first, slots, out, stream)
         self._issuing["gather_s"] += time.perf_counter() - begin
 
     def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
