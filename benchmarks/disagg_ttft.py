@@ -41,7 +41,7 @@ def _config(args, role: str) -> EngineConfig:
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.prompt_len + 16, max_model_len=args.prompt_len + 64
         ),
-        kv_transfer=KVTransferConfig(transport="nccl", timeout_s=120, copy_blocks=args.copy_blocks),
+        kv_transfer=KVTransferConfig(transport="nccl", timeout_s=120),
     )
 
 
@@ -106,7 +106,6 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-gb", type=float, default=8.0)
-    p.add_argument("--copy-blocks", type=int, default=0, help="kv_transfer.copy_blocks")
     p.add_argument("--json", action="store_true", help="write docs/perf/disagg_ttft.json")
     args = p.parse_args()
     ray.init(log_to_driver=True)

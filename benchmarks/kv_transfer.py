@@ -171,9 +171,6 @@ class Worker:
     def set_layers_per_message(self, n: int) -> None:
         self.transports["nccl"].layers_per_message = n
 
-    def set_copy_blocks(self, n: int) -> None:
-        self.transports["nccl"]._kernel.max_blocks = n
-
     def watchdog(self, seconds: float) -> None:
         faulthandler.dump_traceback_later(seconds, exit=False)
 
@@ -476,13 +473,6 @@ def main() -> None:
         default=[8],
         help="rows that start the clock once the receiver has queued its receives",
     )
-    ap.add_argument(
-        "--copy-blocks",
-        type=int,
-        nargs="+",
-        default=[0],
-        help="thread blocks of the fused gather/scatter launches (0: one per token row)",
-    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument(
@@ -524,20 +514,14 @@ def main() -> None:
     }
 
     rows = []
-    modes = [
-        (m, "fused", gap, False, blocks)
-        for blocks in args.copy_blocks
-        for gap in args.layer_gap_us
-        for m in args.layers_per_message
-    ]
-    modes += [(m, "fused", 0, True, 0) for m in args.posted_first_layers_per_message]
-    modes += [(m, "torch", 0, False, 0) for m in args.torch_copy_layers_per_message]
-    for m, copy, gap, posted_first, blocks in modes:
+    modes = [(m, "fused", gap, False) for gap in args.layer_gap_us for m in args.layers_per_message]
+    modes += [(m, "fused", 0, True) for m in args.posted_first_layers_per_message]
+    modes += [(m, "torch", 0, False) for m in args.torch_copy_layers_per_message]
+    for m, copy, gap, posted_first in modes:
         ray.get(sender.set_layers_per_message.remote(m))
         ray.get([side.set_fused_copy.remote(copy == "fused") for side in (sender, receiver)])
-        ray.get([side.set_copy_blocks.remote(blocks) for side in (sender, receiver)])
         sizes = [n * layer_bytes for _, n in message_plan(m, LAYERS)]
-        tag = f"nccl-m{m}-{copy}-g{gap:g}-p{posted_first:d}-b{blocks}"
+        tag = f"nccl-m{m}-{copy}-g{gap:g}-p{posted_first:d}"
         seconds, tail, intact, host = time_transport(
             sender, receiver, "nccl", tag, w, r, gap, posted_first
         )
@@ -545,8 +529,7 @@ def main() -> None:
         raw_same = time_raw(sender, receiver, sizes, w, r)
         raw_issue_ms = ray.get(sender.raw_issue_ms.remote())
         print(
-            f"m={m} {copy} blocks={blocks} gap={gap:g}us posted_first={posted_first}: "
-            f"{seconds * 1e3:.3f} ms, "
+            f"m={m} {copy} gap={gap:g}us posted_first={posted_first}: {seconds * 1e3:.3f} ms, "
             f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms (issued in "
             f"{raw_issue_ms:.3f}); host (ms): "
             + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()),
@@ -559,7 +542,6 @@ def main() -> None:
                 "layers_per_message": m,
                 "layer_gap_us": gap,
                 "posted_first": posted_first,
-                "copy_blocks": blocks,
                 "host_ms": {k: round(v * 1e3, 3) for k, v in host.items()},
                 "tail_ms": round(tail * 1e3, 3) if gap else None,
                 "messages": len(sizes),

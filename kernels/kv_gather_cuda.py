@@ -1,17 +1,14 @@
 """KV gather / scatter as one CUDA kernel launch for several layers (cupy + NVRTC).
 
 Same semantics as ``kv_gather.py`` (the reference), plus a ``live`` flag for the
-scatter: a one-element int32 device tensor read before each group of rows a
-thread block moves; while it holds 0 the scatter writes nothing. A KV receiver
-queues its scatters before the bytes arrive and clears the flag to cancel the
-ones not yet run.
+scatter: a one-element int32 device tensor read when each thread block starts;
+while it holds 0 the scatter writes nothing. A KV receiver queues its scatters
+before the bytes arrive and clears the flag to cancel the ones not yet run.
 
-A thread block moves token rows (heads x head_dim of one layer's K or V) in
+One thread block moves one token row (heads x head_dim) of one layer's K or V in
 16-byte words, with the cache pointers of all layers in a device table: the
 launch costs the same for 1 or 36 layers, where the reference launches two index
-ops per layer. By default there is one block per row; ``max_blocks`` caps the
-grid, and each block then strides over rows, four in flight at a time. Rows
-must be a whole number of 16-byte words (``supports``).
+ops per layer. Rows must be a whole number of 16-byte words (``supports``).
 """
 
 from __future__ import annotations
@@ -25,59 +22,32 @@ logger = logging.getLogger(__name__)
 _SOURCE = r"""
 // buf is [layers, 2, tokens, row] (K then V of each layer); table holds the K and V
 // cache pointers of every layer (K0, V0, K1, V1, ...). Row (j, kv, t) of buf is the
-// row at slots[t] of layer first + j. A block moves rows blockIdx.x, + gridDim.x, ...
-// in 16-byte words, ROWS of them in flight at a time; with one block per row (the
-// default grid) each block moves one row.
-#define ROWS 4
-
-__device__ __forceinline__ ulonglong2* cache_row(unsigned long long table, int first,
-        unsigned long long slots, long long tokens, int words, long long row) {
+// row at slots[t] of layer first + j. One block moves one row, in 16-byte words.
+__device__ __forceinline__ void kv_rows(bool to_buf, unsigned long long table, int first,
+        unsigned long long slots, long long tokens, int words, unsigned long long buf,
+        unsigned long long live) {
+    if (live != 0 && *reinterpret_cast<volatile const int*>(live) == 0) return;
+    long long row = blockIdx.x;
     long long t = row % tokens;
     long long jkv = row / tokens;
     ulonglong2* cache = reinterpret_cast<ulonglong2*>(
         reinterpret_cast<const long long*>(table)[2 * first + jkv]);
-    return cache + reinterpret_cast<const long long*>(slots)[t] * words;
-}
-
-__device__ __forceinline__ void kv_rows(bool to_buf, unsigned long long table, int first,
-        unsigned long long slots, long long tokens, int words, unsigned long long buf,
-        unsigned long long live, long long num_rows) {
-    ulonglong2* rows = reinterpret_cast<ulonglong2*>(buf);
-    long long stride = gridDim.x;
-    for (long long base = blockIdx.x; base < num_rows; base += ROWS * stride) {
-        if (live != 0 && *reinterpret_cast<volatile const int*>(live) == 0) return;
-        for (int w = threadIdx.x; w < words; w += blockDim.x) {
-            ulonglong2 v[ROWS];
-            #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                long long row = base + r * stride;
-                if (row < num_rows) {
-                    v[r] = to_buf ? cache_row(table, first, slots, tokens, words, row)[w]
-                                  : rows[row * words + w];
-                }
-            }
-            #pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                long long row = base + r * stride;
-                if (row < num_rows) {
-                    if (to_buf) rows[row * words + w] = v[r];
-                    else cache_row(table, first, slots, tokens, words, row)[w] = v[r];
-                }
-            }
-        }
+    cache += reinterpret_cast<const long long*>(slots)[t] * words;
+    ulonglong2* rows = reinterpret_cast<ulonglong2*>(buf) + row * words;
+    for (int w = threadIdx.x; w < words; w += blockDim.x) {
+        if (to_buf) rows[w] = cache[w]; else cache[w] = rows[w];
     }
 }
 
 extern "C" __global__ void kv_gather(unsigned long long table, int first,
-        unsigned long long slots, long long tokens, int words, unsigned long long buf,
-        long long num_rows) {
-    kv_rows(true, table, first, slots, tokens, words, buf, 0, num_rows);
+        unsigned long long slots, long long tokens, int words, unsigned long long buf) {
+    kv_rows(true, table, first, slots, tokens, words, buf, 0);
 }
 
 extern "C" __global__ void kv_scatter(unsigned long long table, int first,
         unsigned long long slots, long long tokens, int words, unsigned long long buf,
-        unsigned long long live, long long num_rows) {
-    kv_rows(false, table, first, slots, tokens, words, buf, live, num_rows);
+        unsigned long long live) {
+    kv_rows(false, table, first, slots, tokens, words, buf, live);
 }
 """
 
@@ -111,10 +81,6 @@ class KVGatherKernel:
             self._kernels = {True: module.get_function("kv_gather")}
             self._kernels[False] = module.get_function("kv_scatter")
         self._streams: dict[int, object] = {}  # cupy views of torch streams, by handle
-        # Blocks of a launch (each then moves several rows): fewer leave more of the
-        # memory's bandwidth to work beside the copy (NCCL, a prefill's GEMMs); 0: one
-        # block per row, the fastest copy alone.
-        self.max_blocks = 0
 
     @staticmethod
     def supports(k_caches: list[torch.Tensor]) -> bool:
@@ -182,14 +148,12 @@ class KVGatherKernel:
         )
         if not gather:
             args += (numpy.uint64(live),)
-        args += (numpy.int64(rows),)
-        grid = (min(rows, self.max_blocks) if self.max_blocks else rows,)
         kernel, block = self._kernels[gather], (min(self.words, 256),)
         if cupy.cuda.runtime.getDevice() == self.device.index:
-            kernel(grid, block, args, stream=cupy_stream)
+            kernel((rows,), block, args, stream=cupy_stream)
         else:
             with cupy.cuda.Device(self.device.index):
-                kernel(grid, block, args, stream=cupy_stream)
+                kernel((rows,), block, args, stream=cupy_stream)
 
     def _check(self, first: int, slots: torch.Tensor, buf: torch.Tensor) -> None:
         layers = buf.shape[0]

@@ -135,13 +135,8 @@ class KVTransferConfig:
     transport: str = "auto"  # auto (nccl on a GPU, else cpu) | cpu | nccl
     host: str = "127.0.0.1"  # address this worker's transport listens on
     timeout_s: float = 60.0  # a hand-off not finished by then fails and frees its blocks
-    # nccl: thread blocks of a KV gather/scatter launch; fewer leave more memory bandwidth
-    # to the prefill and the wire beside it, 0 launches one block per token row.
-    copy_blocks: int = 0
 
     def check(self) -> None:
-        if self.copy_blocks < 0:
-            raise ValueError(f"invalid kv_transfer.copy_blocks={self.copy_blocks}: must be >= 0")
         if self.transport not in KV_TRANSPORTS:
             raise ValueError(
                 f"invalid kv_transfer.transport={self.transport!r}: "

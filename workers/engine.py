@@ -110,12 +110,7 @@ class LLMEngine:
         if self.role != "mixed":
             kt = config.kv_transfer
             self.kv_transport = make_kv_transport(
-                kt.transport,
-                self.kv_cache,
-                kt.host,
-                kt.timeout_s,
-                copy_blocks=kt.copy_blocks,
-                **transport_options,
+                kt.transport, self.kv_cache, kt.host, kt.timeout_s, **transport_options
             )
         self.runner.capture_graphs()
         logger.info(

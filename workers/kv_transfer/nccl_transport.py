@@ -140,7 +140,6 @@ class NcclKVTransport(KVTransport):
         rendezvous: Rendezvous | None = None,
         layers_per_message: int = 8,
         fused_copy: bool = True,
-        copy_blocks: int = 0,  # thread blocks of a fused gather/scatter; 0: one per row
     ):
         message_plan(layers_per_message, 1)  # raises on a bad value
         self.rendezvous = rendezvous  # needed to send; a receive-only worker may leave it None
@@ -154,8 +153,6 @@ class NcclKVTransport(KVTransport):
         self._local = threading.local()
         super().__init__(kv_cache, host=host, timeout_s=timeout_s, owner=owner)
         self._kernel = KVGatherKernel.build(kv_cache.k, kv_cache.v)
-        if self._kernel is not None:
-            self._kernel.max_blocks = copy_blocks
         self._fused_copy = fused_copy and self._kernel is not None
         self._flag_stream = torch.cuda.Stream(self.device)  # live flags: never waits on others
 

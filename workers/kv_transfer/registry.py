@@ -21,4 +21,4 @@ def make_kv_transport(
         from splitserve.workers.kv_transfer.nccl_transport import NcclKVTransport
 
         return NcclKVTransport(kv_cache, host=host, timeout_s=timeout_s, **kwargs)
-    return CpuKVTransport(kv_cache, host=host, timeout_s=timeout_s)  # nccl's options unused
+    return CpuKVTransport(kv_cache, host=host, timeout_s=timeout_s)
