@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -521,7 +520,7 @@ def main() -> None:
         sweep_kv_store()
         return
 
-    command = " ".join(["python benchmarks/kernels_roofline.py", *sys.argv[1:]])
+    command = roofline.command_line("kernels_roofline.py")
     name = torch.cuda.get_device_name()
     label = args.label or roofline.device_slug(name)
     timing = {"warmup": 3, "repeat": 10} if args.quick else {"warmup": 10, "repeat": 50}

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 import traceback
 from dataclasses import asdict
@@ -251,7 +250,7 @@ def main() -> None:
         raise SystemExit("linear_roofline needs a CUDA GPU")
 
     start = time.perf_counter()
-    command = " ".join(["python benchmarks/linear_roofline.py", *sys.argv[1:]])
+    command = roofline.command_line("linear_roofline.py")
     name = torch.cuda.get_device_name()
     label = args.label or roofline.device_slug(name)
     timing = {"warmup": 3, "repeat": 10} if args.quick else {"warmup": 5, "repeat": 30}

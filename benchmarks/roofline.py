@@ -18,6 +18,7 @@ import json
 import math
 import platform
 import re
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import median
@@ -80,6 +81,19 @@ def gemm_tflops(
         b = torch.randn(k, n, device=device).to(dtype)
         ms = time_cuda_ms(lambda: a @ b)
     return 2 * m * n * k / ms / 1e9
+
+
+def command_line(script: str, path_options: Sequence[str] = ("--json",)) -> str:
+    """This run's command, without the paths given to ``path_options`` (machine-specific)."""
+    words, argv = [], sys.argv[1:]
+    skip = False
+    for word in argv:
+        if skip and not word.startswith("--"):
+            skip = False
+            continue
+        skip = word in path_options
+        words.append(word)
+    return " ".join([f"python benchmarks/{script}", *words])
 
 
 def environment(command: str) -> dict:

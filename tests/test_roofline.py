@@ -2,11 +2,13 @@
 
 import json
 import math
+import sys
 
 import pytest
 import torch
 
 from benchmarks import kernels_roofline as kr
+from benchmarks import roofline
 from benchmarks.roofline import (
     device_slug,
     format_cell,
@@ -159,3 +161,10 @@ def test_fp8_far_apart_allows_one_step():
     assert kr.fp8_far_apart(one_step, b, scale) == 0.0
     two_steps = torch.tensor([1.0, 2.5, 4.0, 0.0]) * scale
     assert kr.fp8_far_apart(two_steps, b, scale) == 0.25
+
+
+def test_command_line_drops_the_report_path(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["x", "--sweep", "--json", "/tmp/out.json", "--quick"])
+    assert roofline.command_line("k.py") == "python benchmarks/k.py --sweep --json --quick"
+    monkeypatch.setattr(sys, "argv", ["x", "--json", "--quick"])
+    assert roofline.command_line("k.py") == "python benchmarks/k.py --json --quick"
