@@ -27,6 +27,10 @@ its compute).
 - gather / scatter alone: the transport's index_select / index_copy_ kernels
   for all layers on one GPU, without any transfer.
 - cpu: the CPU transport (bytes in the TCP frames) on a --cpu-tokens prompt.
+- host times: the sender's per-message issue (gather launch, NCCL send) and the
+  receiver's posting of every receive and scatter, summed per transfer.
+- --timeline: one more hand-off with CUDA events around each gather, send,
+  receive and scatter, printed per GPU (where the wire waits shows there).
 
 Each figure is the median of --repeat runs after --warmup runs. The last run of
 each mode goes into zeroed receiver slots and its KV is checked against the
@@ -83,7 +87,29 @@ class StampedNccl(_Stamp, NcclKVTransport):
     def __init__(self, *args, **kwargs):
         self.host: dict[str, dict[str, float]] = {}
         self._issuing = {"gather_s": 0.0}  # the stamps of the transfer being issued
+        # With --timeline: (what, begin, end) CUDA events around each gather, send,
+        # receive and scatter, in queue order (None: off).
+        self.gpu_marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
         super().__init__(*args, **kwargs)
+
+    def _span(self, what: str, stream: torch.cuda.Stream, queue) -> None:
+        """``queue()``, with timing events around it on ``stream`` when the timeline is on."""
+        if self.gpu_marks is None:
+            return queue()
+        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        begin.record(stream)
+        queue()
+        end.record(stream)
+        self.gpu_marks.append((what, begin, end))
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """(what, begin us, end us) of every marked span, from the first begin; clears them."""
+        marks, self.gpu_marks = self.gpu_marks or [], []
+        if not marks:
+            return []
+        torch.cuda.synchronize(self.device)
+        first = marks[0][1]
+        return [(w, first.elapsed_time(b) * 1e3, first.elapsed_time(e) * 1e3) for w, b, e in marks]
 
     def _issue(self, pair, out, send) -> None:
         h = self.host.setdefault(
@@ -93,7 +119,7 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
         def timed_send(buf, nbytes) -> None:
             begin = time.perf_counter()
-            nccl_send(buf, nbytes)
+            self._span(f"send {send.issued}", pair.nccl_stream, lambda: nccl_send(buf, nbytes))
             h["nccl_send_s"] += time.perf_counter() - begin
 
         pair.send, self._issuing = timed_send, h
@@ -108,12 +134,27 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
     def gather(self, first, slots, out, stream=None) -> None:
         begin = time.perf_counter()
-        super().gather(first, slots, out, stream)
+        queue = lambda: super(StampedNccl, self).gather(first, slots, out, stream)  # noqa: E731
+        self._span(f"gather {first}+{out.shape[0]}", stream or torch.cuda.current_stream(), queue)
         self._issuing["gather_s"] += time.perf_counter() - begin
+
+    def scatter(self, first, slots, kv, live=None, stream=None) -> None:
+        queue = lambda: super(StampedNccl, self).scatter(first, slots, kv, live, stream)  # noqa: E731
+        self._span(f"scatter {first}+{kv.shape[0]}", stream or torch.cuda.current_stream(), queue)
 
     def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
         begin = time.perf_counter()
-        super()._post_receives(pair, plan, layer_bytes, inc)
+        nccl_recv, count = pair.recv, iter(range(len(plan)))
+
+        def marked_recv(buf, nbytes) -> None:
+            i = next(count)
+            self._span(f"recv {i}", pair.nccl_stream, lambda: nccl_recv(buf, nbytes))
+
+        pair.recv = marked_recv
+        try:
+            super()._post_receives(pair, plan, layer_bytes, inc)
+        finally:
+            del pair.recv
         if inc is not None:
             end = time.perf_counter()
             self.host[inc.ticket.request_id] = {"post_s": end - begin, "posted_at": end}
@@ -170,6 +211,12 @@ class Worker:
 
     def set_layers_per_message(self, n: int) -> None:
         self.transports["nccl"].layers_per_message = n
+
+    def set_timeline(self, on: bool) -> None:
+        self.transports["nccl"].gpu_marks = [] if on else None
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        return self.transports["nccl"].timeline()
 
     def watchdog(self, seconds: float) -> None:
         faulthandler.dump_traceback_later(seconds, exit=False)
@@ -404,6 +451,23 @@ def time_transport(
     return median(times), median(tails), intact, host_median
 
 
+def record_timeline(sender, receiver, layers_per_message: int = 8) -> dict[str, list]:
+    """One hand-off with CUDA events around every gather, send, receive and scatter;
+    prints and returns each GPU's spans in microseconds from its first one."""
+    ray.get(sender.set_layers_per_message.remote(layers_per_message))
+    ray.get([side.set_fused_copy.remote(True) for side in (sender, receiver)])
+    ray.get([side.set_timeline.remote(True) for side in (sender, receiver)])
+    time_transport(sender, receiver, "nccl", "timeline", 0, 1)
+    spans = {"sender": ray.get(sender.timeline.remote())}
+    spans["receiver"] = ray.get(receiver.timeline.remote())
+    ray.get([side.set_timeline.remote(False) for side in (sender, receiver)])
+    for side, rows in spans.items():
+        print(f"\nGPU timeline, {side} ({layers_per_message} layers a message), us")
+        for what, begin, end in rows:
+            print(f"  {what:<14} {begin:9.1f} {end:9.1f} {end - begin:8.1f}")
+    return spans
+
+
 def time_raw(sender, receiver, sizes: list[int], warmup: int, repeat: int) -> float:
     times = []
     for i in range(warmup + repeat):
@@ -472,6 +536,11 @@ def main() -> None:
         nargs="*",
         default=[8],
         help="rows that start the clock once the receiver has queued its receives",
+    )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also time every gather, send, receive and scatter of one hand-off on the GPUs",
     )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
@@ -556,6 +625,7 @@ def main() -> None:
                 "intact": intact,
             }
         )
+    timeline = record_timeline(sender, receiver) if args.timeline else None
     if args.cpu_tokens:
         cpu_bytes = LAYERS * 2 * args.cpu_tokens * HEADS * DIM * elem
         seconds, _, intact, _ = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
@@ -640,6 +710,7 @@ def main() -> None:
             "raw_one_message_ms": round(raw_one * 1e3, 3),
             "copy_alone_ms": {f"{op}_{copy}": round(ms, 3) for (op, copy), ms in alone.items()},
             "rows": rows,
+            "timeline_us": timeline,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
