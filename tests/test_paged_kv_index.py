@@ -2,7 +2,11 @@
 
 import torch
 
-from splitserve.workers.attention.flashinfer_backend import PagedKVIndex
+from splitserve.workers.attention.flashinfer_backend import (
+    PagedKVIndex,
+    attends_own_kv,
+    tensor_core_decode,
+)
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
 from splitserve.workers.input_batch import StepRequest, build_forward_batch
 from splitserve.workers.kv_cache import KVCache, KVCacheSpec
@@ -36,3 +40,24 @@ def test_packed_inputs_match_the_block_tables():
     assert fb.query_start_loc.tolist() == [0, 3, 4]
     assert fb.seq_lens_tensor.tolist() == [5, 1]
     assert fb.logits_indices.tolist() == [2, 3]
+
+
+def _batch(steps, dtype=torch.bfloat16):
+    cache = KVCache(KVCacheSpec(1, 1, 4, 16, dtype), 16, "cpu")
+    return build_forward_batch(steps, cache, TorchAttentionBackend(), "cpu", plan=False)
+
+
+def test_only_prefills_without_cached_kv_attend_their_own_kv():
+    fresh = [StepRequest([1] * 20, 0, [1, 2], True), StepRequest([2] * 3, 0, [3], True)]
+    assert attends_own_kv(_batch(fresh), torch.bfloat16)
+    assert not attends_own_kv(_batch(fresh, torch.float16), torch.bfloat16)  # cache dtype
+    chunk = [StepRequest([1] * 4, 16, [4, 5], True)]  # a chunk after a cached prefix
+    assert not attends_own_kv(_batch(fresh + chunk), torch.bfloat16)
+    decode = [StepRequest([1], 16, [6, 7], True)]
+    assert not attends_own_kv(_batch(fresh + decode), torch.bfloat16)  # mixed
+    assert not attends_own_kv(_batch(decode), torch.bfloat16)
+
+
+def test_tensor_core_decode_from_four_query_heads_per_kv_head():
+    assert tensor_core_decode(32, 8) and tensor_core_decode(64, 8)
+    assert not tensor_core_decode(16, 8) and not tensor_core_decode(8, 8)

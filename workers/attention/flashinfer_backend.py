@@ -71,6 +71,21 @@ class FlashInferMetadata:
     ragged: bool = False  # attends the step's own K/V (no cached prefix), not the pages
 
 
+def tensor_core_decode(num_heads: int, num_kv_heads: int) -> bool:
+    """Whether decode runs FlashInfer's tensor-core kernels for this attention shape."""
+    return num_heads // num_kv_heads >= TENSOR_CORE_GROUP
+
+
+def attends_own_kv(fb: ForwardBatch, dtype: torch.dtype) -> bool:
+    """A prefill whose requests have no KV beyond this step's tokens, into a cache that
+    keeps K/V as computed (``dtype``): its attention can read the step's own K/V."""
+    return (
+        fb.phase == Phase.PREFILL
+        and fb.kv_cache.spec.dtype == dtype
+        and fb.query_lens == fb.seq_lens
+    )
+
+
 def flashinfer_supports(head_dim: int, device: torch.device) -> bool:
     """Whether the FlashInfer backend can serve this model on this device."""
     if device.type != "cuda" or head_dim not in HEAD_DIMS:
@@ -113,7 +128,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         if decode_tensor_cores is None:
-            decode_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_GROUP
+            decode_tensor_cores = tensor_core_decode(num_heads, num_kv_heads)
         self.decode_tensor_cores = decode_tensor_cores
         self.ragged_prefill = ragged_prefill
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
@@ -163,13 +178,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
     def _can_run_ragged(self, fb: ForwardBatch) -> bool:
-        """No request has KV beyond this step's tokens, and the cache keeps K/V as computed."""
-        return (
-            self.ragged_prefill
-            and fb.phase == Phase.PREFILL
-            and fb.kv_cache.spec.dtype == self.dtype
-            and fb.query_lens == fb.seq_lens
-        )
+        return self.ragged_prefill and attends_own_kv(fb, self.dtype)
 
     def _decode_wrapper(self, **graph_buffers: Any) -> Any:
         return self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
