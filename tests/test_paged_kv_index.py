@@ -61,3 +61,31 @@ def test_only_prefills_without_cached_kv_attend_their_own_kv():
 def test_tensor_core_decode_from_four_query_heads_per_kv_head():
     assert tensor_core_decode(32, 8) and tensor_core_decode(64, 8)
     assert not tensor_core_decode(16, 8) and not tensor_core_decode(8, 8)
+
+
+def test_torch_graph_index_comes_from_the_padded_host_lists():
+    """A replay's gather index equals an eager plan's for the real rows, and a padded
+    row attends one key of the null page, whatever the batch's device tables hold."""
+    import dataclasses
+
+    cache = KVCache(KVCacheSpec(1, 1, 4, 4, torch.float32), 16, "cpu")
+    backend = TorchAttentionBackend()
+    steps = [StepRequest([1], 5, [3, 7], True), StepRequest([2], 2, [9], True)]
+    fb = build_forward_batch(steps, cache, backend, "cpu")
+    eager = fb.attn_metadata
+    backend.init_graph_buffers(3, 4)
+    padded = dataclasses.replace(
+        fb,
+        seq_lens=fb.seq_lens + [1],
+        block_ids=fb.block_ids + [[0]],
+        block_tables=torch.full((3, 4), 5),  # stale device tables: must not be read
+        seq_lens_tensor=torch.full((3,), 9),
+    )
+    backend.prepare_capture(3, padded)
+    replay = padded.attn_metadata
+    for row, seq_len in enumerate(fb.seq_lens):
+        assert replay.key_mask[row].sum() == seq_len
+        keys = replay.gather_index[row][replay.key_mask[row]]
+        assert torch.equal(keys, eager.gather_index[row][eager.key_mask[row]])
+    assert replay.key_mask[2].tolist() == [True] + [False] * 15
+    assert replay.gather_index[2, 0] == 0  # the null page's first slot

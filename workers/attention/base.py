@@ -32,9 +32,6 @@ class AttentionSpec:
 class AttentionBackend(ABC):
     name: str = "abstract"
     supports_cuda_graphs: bool = False
-    # Whether a replayed decode graph reads the batch's device ``seq_lens_tensor`` and
-    # ``block_tables`` (else its ``prepare_replay`` writes its own index buffers).
-    graph_reads_block_tables: bool = True
 
     @abstractmethod
     def plan(self, forward_batch: ForwardBatch) -> None:

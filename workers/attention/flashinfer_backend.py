@@ -100,7 +100,6 @@ def flashinfer_supports(head_dim: int, device: torch.device) -> bool:
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graphs = True
-    graph_reads_block_tables = False  # prepare_replay re-plans its own index buffers
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from splitserve.kernels.ops import store_kv
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
+from splitserve.workers.kv_cache import NULL_BLOCK
 
 MAX_GRAPH_GATHER_BLOCKS = 1 << 14  # decode graphs gather all of max_model_len per request
 
@@ -42,7 +43,9 @@ class TorchAttentionBackend(AttentionBackend):
 
     def plan(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        gather_index, key_mask = _gather_index(fb, max(fb.seq_lens))
+        gather_index, key_mask = _gather_index(
+            fb.block_tables, fb.seq_lens_tensor, fb.kv_cache.block_size, max(fb.seq_lens)
+        )
         starts = [0]
         for q in fb.query_lens:
             starts.append(starts[-1] + q)
@@ -67,8 +70,17 @@ class TorchAttentionBackend(AttentionBackend):
         self.prepare_replay(num_tokens, forward_batch)
 
     def prepare_replay(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
+        """Fills the graph's index from the (padded) batch's host block ids and lengths."""
         fb = forward_batch
-        gather_index, key_mask = _gather_index(fb, self._graph_index.shape[1])
+        device = self._graph_index.device
+        width = max(len(blocks) for blocks in fb.block_ids)
+        tables = torch.full((num_tokens, width), NULL_BLOCK, dtype=torch.long)
+        for row, blocks in zip(tables, fb.block_ids):
+            row[: len(blocks)] = torch.tensor(blocks)
+        seq_lens = torch.tensor(fb.seq_lens, device=device)
+        gather_index, key_mask = _gather_index(
+            tables.to(device), seq_lens, fb.kv_cache.block_size, self._graph_index.shape[1]
+        )
         self._graph_index[:num_tokens].copy_(gather_index)
         self._graph_mask[:num_tokens].copy_(key_mask)
         spans = [(i, i + 1) for i in range(num_tokens)]
@@ -108,14 +120,18 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def _gather_index(fb: ForwardBatch, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_index(
+    block_tables: torch.Tensor,  # [batch, blocks]
+    seq_lens: torch.Tensor,  # [batch]
+    block_size: int,
+    max_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The cache slot of every key of each request, ``[batch, max_len]``, and its mask."""
-    block_size = fb.kv_cache.block_size
-    offsets = torch.arange(max_len, device=fb.block_tables.device)
-    block_index = (offsets // block_size).clamp(max=fb.block_tables.shape[1] - 1)
-    blocks = fb.block_tables.long().gather(1, block_index.expand(fb.batch_size, -1))
+    offsets = torch.arange(max_len, device=block_tables.device)
+    block_index = (offsets // block_size).clamp(max=block_tables.shape[1] - 1)
+    blocks = block_tables.long().gather(1, block_index.expand(block_tables.shape[0], -1))
     gather_index = blocks * block_size + offsets % block_size
-    key_mask = offsets[None, :] < fb.seq_lens_tensor[:, None]
+    key_mask = offsets[None, :] < seq_lens[:, None]
     return gather_index, key_mask
 
 

@@ -129,24 +129,19 @@ class DecodeGraphRunner:
         return hidden[:n]
 
     def _fill(self, fb: ForwardBatch, size: int) -> None:
-        """Write the step into rows ``[:n]`` and re-fill every padded row (the block
-        tables only for a backend whose graphs read them)."""
+        """Write the step's token inputs into rows ``[:n]`` and re-fill every padded row.
+
+        The attention index (lengths, block tables) is the backend's to write, in
+        ``prepare_replay``, from the padded batch's host lists."""
         b, n = self._buffers, fb.num_tokens
-        inputs = [("input_ids", fb.input_ids, 0), ("positions", fb.positions, 0)]
-        inputs.append(("slot_mapping", fb.slot_mapping, -1))
-        if self.attn_backend.graph_reads_block_tables:
-            inputs.append(("seq_lens", fb.seq_lens_tensor, PAD_SEQ_LEN))
-        for name, real, pad in inputs:
+        for name, real, pad in (
+            ("input_ids", fb.input_ids, 0),
+            ("positions", fb.positions, 0),
+            ("slot_mapping", fb.slot_mapping, -1),
+        ):
             b[name][:n].copy_(real, non_blocking=True)
             if n < size:
                 b[name][n:size].fill_(pad)
-        if not self.attn_backend.graph_reads_block_tables:
-            return
-        width = fb.block_tables.shape[1]
-        b["block_tables"][:n, :width].copy_(fb.block_tables, non_blocking=True)
-        b["block_tables"][:n, width:].fill_(NULL_BLOCK)
-        if n < size:
-            b["block_tables"][n:size].fill_(NULL_BLOCK)
 
     def clear(self) -> None:
         self._graphs = {}
