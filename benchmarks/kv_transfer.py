@@ -212,6 +212,10 @@ class Worker:
     def set_layers_per_message(self, n: int) -> None:
         self.transports["nccl"].layers_per_message = n
 
+    def set_nccl_stream_priority(self, priority: int) -> None:
+        """Before the first hand-off: the priority of the pair's NCCL stream."""
+        self.transports["nccl"].nccl_stream_priority = priority
+
     def set_timeline(self, on: bool) -> None:
         self.transports["nccl"].gpu_marks = [] if on else None
 
@@ -521,6 +525,12 @@ def main() -> None:
         metavar="NAME=VALUE",
         help="environment of both actors (NCCL settings such as NCCL_P2P_NVL_CHUNKSIZE)",
     )
+    ap.add_argument(
+        "--nccl-stream-priority",
+        type=int,
+        default=0,
+        help="CUDA priority of the transport's NCCL streams (-1: higher than the copies')",
+    )
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks after S seconds")
     ap.add_argument("--label", default="", help="the machine, for the JSON (e.g. nvidia-h200-x2)")
     ap.add_argument(
@@ -564,6 +574,8 @@ def main() -> None:
     sender = remote.remote("prefill", args.send_block_size, *common, 1, devices[0])
     receiver = remote.remote("decode", args.recv_block_size, *common, 2, devices[1])
     ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
+    priority = args.nccl_stream_priority
+    ray.get([side.set_nccl_stream_priority.remote(priority) for side in (sender, receiver)])
     if args.watchdog:
         ray.get([sender.watchdog.remote(args.watchdog), receiver.watchdog.remote(args.watchdog)])
     print("actors ready", flush=True)
@@ -704,6 +716,7 @@ def main() -> None:
                 "layer_gap_us": args.layer_gap_us,
                 "recv_block_size": args.recv_block_size,
                 "env": args.env,
+                "nccl_stream_priority": args.nccl_stream_priority,
                 "warmup": w,
                 "repeat": r,
             },

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gaps import gpu_gaps, print_gaps  # noqa: E402
 from roofline import (  # noqa: E402
     copy_bandwidth_gbps,
     device_slug,
@@ -166,19 +167,19 @@ def profile_step(
     use_graphs: bool = False,
     trace: Path | None = None,
 ) -> None:
-    """GPU time per kernel of one step (eager: a graph replays the same kernels), and
-    with ``trace`` a Chrome trace of host and GPU (the GPU's idle gaps show there)."""
+    """GPU time per kernel of one step (eager: a graph replays the same kernels), where
+    the GPU waits between them (``gpu_gaps``), and with ``trace`` a Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
         bench.step(steps, use_graphs=use_graphs)
-    activities = [ProfilerActivity.CUDA] + [ProfilerActivity.CPU] * (trace is not None)
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         bench.step(steps, use_graphs=use_graphs)
     print(f"\nGPU kernels of one {'graph' if use_graphs else 'eager'} step: {title}")
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
     )
+    print_gaps(gpu_gaps(prof))
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
