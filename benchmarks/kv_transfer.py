@@ -30,7 +30,11 @@ its compute).
 - host times: the sender's per-message issue (gather launch, NCCL send) and the
   receiver's posting of every receive and scatter, summed per transfer.
 - --timeline: one more hand-off with CUDA events around each gather, send,
-  receive and scatter, printed per GPU (where the wire waits shows there).
+  receive and scatter, and host instants on the GPU's clock (the sender's
+  start, the receiver's "done" frame and end stamp), printed per GPU (where
+  the wire waits shows there).
+- --first-message-layers F: the plan ramps F, 2F, 4F, ... layers up to the cap
+  and back down (rows for each F).
 
 Each figure is the median of --repeat runs after --warmup runs. The last run of
 each mode goes into zeroed receiver slots and its KV is checked against the
@@ -90,7 +94,16 @@ class StampedNccl(_Stamp, NcclKVTransport):
         # With --timeline: (what, begin, end) CUDA events around each gather, send,
         # receive and scatter, in queue order (None: off).
         self.gpu_marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
+        self._mark_stream: torch.cuda.Stream | None = None
         super().__init__(*args, **kwargs)
+
+    def _finish_incoming(self, inc) -> None:
+        super()._finish_incoming(inc)
+        self.host_mark("host: in place")  # beside the receiver's end stamp
+
+    def _on_done(self, conn, header) -> None:
+        self.host_mark("host: done frame")
+        super()._on_done(conn, header)
 
     def _span(self, what: str, stream: torch.cuda.Stream, queue) -> None:
         """``queue()``, with timing events around it on ``stream`` when the timeline is on."""
@@ -101,6 +114,17 @@ class StampedNccl(_Stamp, NcclKVTransport):
         queue()
         end.record(stream)
         self.gpu_marks.append((what, begin, end))
+
+    def host_mark(self, what: str) -> None:
+        """With the timeline on, an instant on the GPU's clock for a moment of the host:
+        an event on an idle stream, which the GPU passes as soon as it is queued."""
+        if self.gpu_marks is None:
+            return
+        if self._mark_stream is None:
+            self._mark_stream = torch.cuda.Stream(self.device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self._mark_stream)
+        self.gpu_marks.append((what, event, event))
 
     def timeline(self) -> list[tuple[str, float, float]]:
         """(what, begin us, end us) of every marked span, from the first begin; clears them."""
@@ -209,8 +233,9 @@ class Worker:
     def join(self, pair_key: str, unique_id: bytes) -> None:
         self.transports["nccl"].join(pair_key, unique_id)
 
-    def set_layers_per_message(self, n: int) -> None:
+    def set_layers_per_message(self, n: int, first: int = 1) -> None:
         self.transports["nccl"].layers_per_message = n
+        self.transports["nccl"].first_message_layers = first
 
     def set_nccl_stream_priority(self, priority: int) -> None:
         """Before the first hand-off: the priority of the pair's NCCL stream."""
@@ -249,6 +274,8 @@ class Worker:
             ray.get(self.peer.posted.remote(ticket.request_id))
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
+        if kind == "nccl":
+            t.host_mark("host: start")
         with torch.cuda.device(self.device):
             for layer in range(LAYERS):
                 if gap_us:
@@ -455,10 +482,11 @@ def time_transport(
     return median(times), median(tails), intact, host_median
 
 
-def record_timeline(sender, receiver, layers_per_message: int = 8) -> dict[str, list]:
-    """One hand-off with CUDA events around every gather, send, receive and scatter;
-    prints and returns each GPU's spans in microseconds from its first one."""
-    ray.get(sender.set_layers_per_message.remote(layers_per_message))
+def record_timeline(sender, receiver, layers_per_message: int = 8, first: int = 1) -> dict:
+    """One hand-off with CUDA events around every gather, send, receive and scatter,
+    and at the host's start (sender), done frame and end stamp (receiver); prints and
+    returns each GPU's spans in microseconds from its first one."""
+    ray.get(sender.set_layers_per_message.remote(layers_per_message, first))
     ray.get([side.set_fused_copy.remote(True) for side in (sender, receiver)])
     ray.get([side.set_timeline.remote(True) for side in (sender, receiver)])
     time_transport(sender, receiver, "nccl", "timeline", 0, 1)
@@ -505,6 +533,13 @@ def main() -> None:
     ap.add_argument("--send-block-size", type=int, default=16)
     ap.add_argument("--recv-block-size", type=int, default=32)
     ap.add_argument("--layers-per-message", type=int, nargs="+", default=[1, 4, 8, 16, 36])
+    ap.add_argument(
+        "--first-message-layers",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="the plan's first (and last) message size; rows for each, by --layers-per-message",
+    )
     ap.add_argument(
         "--layer-gap-us",
         type=float,
@@ -595,14 +630,19 @@ def main() -> None:
     }
 
     rows = []
-    modes = [(m, "fused", gap, False) for gap in args.layer_gap_us for m in args.layers_per_message]
-    modes += [(m, "fused", 0, True) for m in args.posted_first_layers_per_message]
-    modes += [(m, "torch", 0, False) for m in args.torch_copy_layers_per_message]
-    for m, copy, gap, posted_first in modes:
-        ray.get(sender.set_layers_per_message.remote(m))
+    modes = [
+        (m, f, "fused", gap, False)
+        for gap in args.layer_gap_us
+        for m in args.layers_per_message
+        for f in args.first_message_layers
+    ]
+    modes += [(m, 1, "fused", 0, True) for m in args.posted_first_layers_per_message]
+    modes += [(m, 1, "torch", 0, False) for m in args.torch_copy_layers_per_message]
+    for m, first, copy, gap, posted_first in modes:
+        ray.get(sender.set_layers_per_message.remote(m, first))
         ray.get([side.set_fused_copy.remote(copy == "fused") for side in (sender, receiver)])
-        sizes = [n * layer_bytes for _, n in message_plan(m, LAYERS)]
-        tag = f"nccl-m{m}-{copy}-g{gap:g}-p{posted_first:d}"
+        sizes = [n * layer_bytes for _, n in message_plan(m, LAYERS, first)]
+        tag = f"nccl-m{m}-f{first}-{copy}-g{gap:g}-p{posted_first:d}"
         seconds, tail, intact, host = time_transport(
             sender, receiver, "nccl", tag, w, r, gap, posted_first
         )
@@ -610,7 +650,8 @@ def main() -> None:
         raw_same = time_raw(sender, receiver, sizes, w, r)
         raw_issue_ms = ray.get(sender.raw_issue_ms.remote())
         print(
-            f"m={m} {copy} gap={gap:g}us posted_first={posted_first}: {seconds * 1e3:.3f} ms, "
+            f"m={m} first={first} {copy} gap={gap:g}us posted_first={posted_first}: "
+            f"{seconds * 1e3:.3f} ms, "
             f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms (issued in "
             f"{raw_issue_ms:.3f}); host (ms): "
             + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()),
@@ -621,6 +662,7 @@ def main() -> None:
                 "transport": "nccl",
                 "copy": copy,
                 "layers_per_message": m,
+                "first_message_layers": first,
                 "layer_gap_us": gap,
                 "posted_first": posted_first,
                 "host_ms": {k: round(v * 1e3, 3) for k, v in host.items()},
@@ -637,7 +679,10 @@ def main() -> None:
                 "intact": intact,
             }
         )
-    timeline = record_timeline(sender, receiver) if args.timeline else None
+    timeline = None
+    if args.timeline:
+        first = args.first_message_layers
+        timeline = [record_timeline(sender, receiver, 8, f) for f in first]
     if args.cpu_tokens:
         cpu_bytes = LAYERS * 2 * args.cpu_tokens * HEADS * DIM * elem
         seconds, _, intact, _ = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
@@ -673,7 +718,7 @@ def main() -> None:
         print(f"{op} alone, all layers, {copy}: {ms:.3f} ms ({total / ms / 1e6:.0f} GB/s each way)")
     print()
     head = (
-        f"{'transport':<9} {'copy':<5} {'layers/msg':>10} {'gap us':>6} {'msgs':>4} "
+        f"{'transport':<9} {'copy':<5} {'layers/msg':>10} {'first':>5} {'gap us':>6} {'msgs':>4} "
         f"{'max MB':>7} {'tokens':>6} {'MB':>7} {'ms':>8} {'tail ms':>7} {'GB/s':>7} "
         f"{'raw same':>8} {'raw one':>8} {'ratio':>6} {'intact':>6}"
     )
@@ -683,6 +728,7 @@ def main() -> None:
         same, tail = row["raw_same_messages_gbps"], row["tail_ms"]
         print(
             f"{row['transport']:<9} {row['copy']:<5} {row['layers_per_message']:>10} "
+            f"{row.get('first_message_layers', 1):>5} "
             f"{row['layer_gap_us']:>6g} {row['messages']:>4} {row['max_message_mb']:>7.1f} "
             f"{row['tokens']:>6} {row['bytes'] / 1e6:>7.1f} {row['median_ms']:>8.3f} "
             f"{'-' if tail is None else f'{tail:.3f}':>7} {row['effective_gbps']:>7.1f} "

@@ -191,17 +191,20 @@ def test_ticket_round_trips_through_msgpack():
     assert TransferTicket.unpack(t.pack()) == t
 
 
+@pytest.mark.parametrize("first", [1, 2, 4])
 @pytest.mark.parametrize("cap", [1, 2, 3, 8, 36, 64])
 @pytest.mark.parametrize("num_layers", [0, 1, 4, 36, 61])
-def test_nccl_message_plan_covers_every_layer_once_in_order(cap, num_layers):
+def test_nccl_message_plan_covers_every_layer_once_in_order(cap, num_layers, first):
     from splitserve.workers.kv_transfer.nccl_pair import message_plan
 
-    plan = message_plan(cap, num_layers)
-    layers = [first + j for first, n in plan for j in range(n)]
+    plan = message_plan(cap, num_layers, first)
+    layers = [start + j for start, n in plan for j in range(n)]
     assert layers == list(range(num_layers))
     assert all(1 <= n <= cap for _, n in plan)
-    if num_layers >= 2:  # the first gather and the last scatter are one layer's
-        assert plan[0][1] == 1 and plan[-1][1] == 1
+    if num_layers >= 2 * first and first < cap:  # the first gather and the last scatter
+        assert plan[0][1] == first and plan[-1][1] == first
+    elif num_layers >= cap:  # no ramp: full messages, the rest last
+        assert plan[0][1] == cap
 
 
 def test_nccl_message_plan_grows_then_shrinks():
@@ -209,8 +212,12 @@ def test_nccl_message_plan_grows_then_shrinks():
 
     assert [n for _, n in message_plan(8, 36)] == [1, 2, 4, 8, 8, 6, 4, 2, 1]
     assert [n for _, n in message_plan(1, 3)] == [1, 1, 1]
+    assert [n for _, n in message_plan(8, 36, first=2)] == [2, 4, 8, 8, 8, 4, 2]
+    assert [n for _, n in message_plan(8, 36, first=8)] == [8, 8, 8, 8, 4]
     with pytest.raises(ValueError, match="at least 1"):
         message_plan(0, 36)
+    with pytest.raises(ValueError, match="at least 1"):
+        message_plan(8, 36, first=0)
 
 
 def test_an_unknown_frame_kind_ends_the_connection(pair):

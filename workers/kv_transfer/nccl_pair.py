@@ -69,17 +69,18 @@ class Pair:
         return self.nccl_stream.cuda_stream
 
 
-def message_plan(cap: int, num_layers: int) -> list[tuple[int, int]]:
+def message_plan(cap: int, num_layers: int, first: int = 1) -> list[tuple[int, int]]:
     """``(first layer, layers)`` of each NCCL message of a transfer.
 
-    Messages grow 1, 2, 4, ... up to ``cap`` layers and shrink the same way at the
-    end: the first send starts after one layer's gather, the last scatter is one
-    layer's, and the messages between run near the link's peak. ``cap`` 1 sends
-    each layer alone.
+    Messages grow ``first``, 2 ``first``, 4 ``first``, ... up to ``cap`` layers and
+    shrink the same way at the end: the first send starts after ``first`` layers'
+    gather, the last scatter is that size, and the messages between run near the
+    link's peak. ``cap`` 1 sends each layer alone; ``first`` >= ``cap`` sends
+    ``cap`` layers a message throughout.
     """
-    if cap < 1:
-        raise ValueError(f"layers per message must be at least 1, got {cap}")
-    head, tail, left, n = [], [], num_layers, 1
+    if cap < 1 or first < 1:
+        raise ValueError(f"layers per message must be at least 1, got cap {cap}, first {first}")
+    head, tail, left, n = [], [], num_layers, first
     while left > 0 and n < cap:
         for side in (head, tail):
             take = min(n, left)
@@ -88,10 +89,10 @@ def message_plan(cap: int, num_layers: int) -> list[tuple[int, int]]:
                 left -= take
         n *= 2
     middle = [cap] * (left // cap) + ([left % cap] if left % cap else [])
-    plan, first = [], 0
+    plan, start = [], 0
     for size in head + middle + tail[::-1]:
-        plan.append((first, size))
-        first += size
+        plan.append((start, size))
+        start += size
     return plan
 
 

@@ -143,10 +143,13 @@ class NcclKVTransport(KVTransport):
         rendezvous: Rendezvous | None = None,
         layers_per_message: int = 8,
         fused_copy: bool = True,
+        first_message_layers: int = 1,
     ):
-        message_plan(layers_per_message, 1)  # raises on a bad value
+        message_plan(layers_per_message, 1, first_message_layers)  # raises on a bad value
         self.rendezvous = rendezvous  # needed to send; a receive-only worker may leave it None
-        self.layers_per_message = layers_per_message  # sender side; receivers follow the plan
+        # Sender side (receivers follow the announced plan): ``message_plan``'s cap and ramp.
+        self.layers_per_message = layers_per_message
+        self.first_message_layers = first_message_layers
         self._send_pairs: dict[Peer, Pair] = {}
         self._recv_pairs: list[Pair] = []
         self._joined: dict[str, Pair | Exception] = {}  # by pair key, until its hello
@@ -281,7 +284,7 @@ class NcclKVTransport(KVTransport):
 
     def _announce(self, out: Outgoing, pair: Pair) -> None:
         t = out.ticket
-        plan = message_plan(self.layers_per_message, t.num_layers)
+        plan = message_plan(self.layers_per_message, t.num_layers, self.first_message_layers)
         layer_bytes = self.transfer_bytes(t) // max(t.num_layers, 1)
         compute = torch.cuda.current_stream(self.device)
         send = out.extra["send"] = _Send(pair, plan, layer_bytes, compute)
