@@ -94,6 +94,7 @@ class StampedNccl(_Stamp, NcclKVTransport):
         # With --timeline: (what, begin, end) CUDA events around each gather, send,
         # receive and scatter, in queue order (None: off).
         self.gpu_marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
+        self._host_marks: dict[torch.cuda.Event, float] = {}  # host clock of each host mark
         self._mark_stream: torch.cuda.Stream | None = None
         super().__init__(*args, **kwargs)
 
@@ -104,6 +105,11 @@ class StampedNccl(_Stamp, NcclKVTransport):
     def _on_done(self, conn, header) -> None:
         self.host_mark("host: done frame")
         super()._on_done(conn, header)
+
+    def _on_frame(self, conn, header) -> None:
+        if header["kind"] == "announce":
+            self.host_mark("host: announce")
+        super()._on_frame(conn, header)
 
     def _span(self, what: str, stream: torch.cuda.Stream, queue) -> None:
         """``queue()``, with timing events around it on ``stream`` when the timeline is on."""
@@ -124,16 +130,26 @@ class StampedNccl(_Stamp, NcclKVTransport):
             self._mark_stream = torch.cuda.Stream(self.device)
         event = torch.cuda.Event(enable_timing=True)
         event.record(self._mark_stream)
+        self._host_marks[event] = time.perf_counter()
         self.gpu_marks.append((what, event, event))
 
     def timeline(self) -> list[tuple[str, float, float]]:
-        """(what, begin us, end us) of every marked span, from the first begin; clears them."""
+        """(what, begin us, end us) of every marked span on the host's clock (both
+        actors read the same monotonic clock), placed through the first host mark;
+        clears them."""
         marks, self.gpu_marks = self.gpu_marks or [], []
-        if not marks:
+        host, self._host_marks = self._host_marks, {}
+        if not marks or not host:
             return []
         torch.cuda.synchronize(self.device)
         first = marks[0][1]
-        return [(w, first.elapsed_time(b) * 1e3, first.elapsed_time(e) * 1e3) for w, b, e in marks]
+        anchor, host_s = next(iter(host.items()))
+        offset_us = host_s * 1e6 - first.elapsed_time(anchor) * 1e3
+
+        def at(event) -> float:
+            return offset_us + first.elapsed_time(event) * 1e3
+
+        return [(w, at(b), at(e)) for w, b, e in marks]
 
     def _issue(self, pair, out, send) -> None:
         h = self.host.setdefault(
@@ -482,10 +498,11 @@ def time_transport(
     return median(times), median(tails), intact, host_median
 
 
-def record_timeline(sender, receiver, layers_per_message: int = 8, first: int = 1) -> dict:
+def record_timeline(sender, receiver, layers_per_message: int = 8, first: int = 1) -> list:
     """One hand-off with CUDA events around every gather, send, receive and scatter,
-    and at the host's start (sender), done frame and end stamp (receiver); prints and
-    returns each GPU's spans in microseconds from its first one."""
+    and host instants (the sender's start; the receiver's announce, done frame and end
+    stamp); prints and returns (side, what, begin us, end us) of both GPUs, in
+    microseconds from the sender's start."""
     ray.get(sender.set_layers_per_message.remote(layers_per_message, first))
     ray.get([side.set_fused_copy.remote(True) for side in (sender, receiver)])
     ray.get([side.set_timeline.remote(True) for side in (sender, receiver)])
@@ -493,11 +510,16 @@ def record_timeline(sender, receiver, layers_per_message: int = 8, first: int = 
     spans = {"sender": ray.get(sender.timeline.remote())}
     spans["receiver"] = ray.get(receiver.timeline.remote())
     ray.get([side.set_timeline.remote(False) for side in (sender, receiver)])
-    for side, rows in spans.items():
-        print(f"\nGPU timeline, {side} ({layers_per_message} layers a message), us")
-        for what, begin, end in rows:
-            print(f"  {what:<14} {begin:9.1f} {end:9.1f} {end - begin:8.1f}")
-    return spans
+    start = next(b for w, b, _ in spans["sender"] if w == "host: start")
+    rows = sorted(
+        ((side, w, b - start, e - start) for side, marks in spans.items() for w, b, e in marks),
+        key=lambda row: row[2],
+    )
+    plan = [n for _, n in message_plan(layers_per_message, LAYERS, first)]
+    print(f"\nTimeline (plan {plan}), us from the sender's start")
+    for side, what, begin, end in rows:
+        print(f"  {side:<8} {what:<18} {begin:9.1f} {end:9.1f} {end - begin:8.1f}")
+    return [list(row) for row in rows]
 
 
 def time_raw(sender, receiver, sizes: list[int], warmup: int, repeat: int) -> float:

@@ -290,6 +290,8 @@ class NcclKVTransport(KVTransport):
         send = out.extra["send"] = _Send(pair, plan, layer_bytes, compute)
         send.kv_shape, send.kv_dtype = _kv_row_shape(t), t.layout.torch_dtype
         out.src_slots.record_stream(pair.copy_stream)
+        if plan:
+            self._ring(pair, send, 0)  # now, not on the first layer's hot path
         header = {"kind": "announce", "request_id": t.request_id, "layer_bytes": layer_bytes}
         header["messages"] = [list(m) for m in plan]
         with pair.lock:  # the queue and the wire see the same order
