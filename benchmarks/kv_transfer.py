@@ -184,10 +184,13 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
     def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
         begin = time.perf_counter()
+        self.host_mark("host: posting")
         nccl_recv, count = pair.recv, iter(range(len(plan)))
 
         def marked_recv(buf, nbytes) -> None:
             i = next(count)
+            if i == 0:
+                self.host_mark("host: recv 0 call")
             self._span(f"recv {i}", pair.nccl_stream, lambda: nccl_recv(buf, nbytes))
 
         pair.recv = marked_recv
@@ -498,7 +501,9 @@ def time_transport(
     return median(times), median(tails), intact, host_median
 
 
-def record_timeline(sender, receiver, layers_per_message: int = 8, first: int = 1) -> list:
+def record_timeline(
+    sender, receiver, layers_per_message: int = 8, first: int = 1, posted_first: bool = False
+) -> list:
     """One hand-off with CUDA events around every gather, send, receive and scatter,
     and host instants (the sender's start; the receiver's announce, done frame and end
     stamp); prints and returns (side, what, begin us, end us) of both GPUs, in
@@ -506,7 +511,7 @@ def record_timeline(sender, receiver, layers_per_message: int = 8, first: int = 
     ray.get(sender.set_layers_per_message.remote(layers_per_message, first))
     ray.get([side.set_fused_copy.remote(True) for side in (sender, receiver)])
     ray.get([side.set_timeline.remote(True) for side in (sender, receiver)])
-    time_transport(sender, receiver, "nccl", "timeline", 0, 1)
+    time_transport(sender, receiver, "nccl", "timeline", 0, 1, posted_first=posted_first)
     spans = {"sender": ray.get(sender.timeline.remote())}
     spans["receiver"] = ray.get(receiver.timeline.remote())
     ray.get([side.set_timeline.remote(False) for side in (sender, receiver)])
@@ -516,7 +521,8 @@ def record_timeline(sender, receiver, layers_per_message: int = 8, first: int = 
         key=lambda row: row[2],
     )
     plan = [n for _, n in message_plan(layers_per_message, LAYERS, first)]
-    print(f"\nTimeline (plan {plan}), us from the sender's start")
+    posted = ", receives posted first" if posted_first else ""
+    print(f"\nTimeline (plan {plan}{posted}), us from the sender's start")
     for side, what, begin, end in rows:
         print(f"  {side:<8} {what:<18} {begin:9.1f} {end:9.1f} {end - begin:8.1f}")
     return [list(row) for row in rows]
@@ -705,6 +711,7 @@ def main() -> None:
     if args.timeline:
         first = args.first_message_layers
         timeline = [record_timeline(sender, receiver, 8, f) for f in first]
+        timeline += [record_timeline(sender, receiver, 8, f, True) for f in first]
     if args.cpu_tokens:
         cpu_bytes = LAYERS * 2 * args.cpu_tokens * HEADS * DIM * elem
         seconds, _, intact, _ = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
