@@ -240,6 +240,10 @@ class Worker:
         self.raw = None
         self.raw_issue_s: list[float] = []
         self.sleep_cycles_per_us = self._calibrate_sleep()
+        self.busy_before_us = 0.0
+
+    def set_busy_before_us(self, us: float) -> None:
+        self.busy_before_us = us
 
     # ---- set-up --------------------------------------------------------------
 
@@ -291,6 +295,9 @@ class Worker:
         t.start_send(ticket, self.blocks)
         if posted_first:
             ray.get(self.peer.posted.remote(ticket.request_id))
+        if self.busy_before_us:  # a GPU that was computing, not idle, when the layers come
+            with torch.cuda.device(self.device):
+                torch.cuda._sleep(int(self.busy_before_us * self.sleep_cycles_per_us))
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         if kind == "nccl":
@@ -594,6 +601,13 @@ def main() -> None:
         default=0,
         help="CUDA priority of the transport's NCCL streams (-1: higher than the copies')",
     )
+    ap.add_argument(
+        "--busy-before-us",
+        type=float,
+        default=0,
+        help="the sender's GPU spins this long just before each timed hand-off (not timed), "
+        "as a prefill GPU computes before its layers are sent; 0 = idle before",
+    )
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks after S seconds")
     ap.add_argument("--label", default="", help="the machine, for the JSON (e.g. nvidia-h200-x2)")
     ap.add_argument(
@@ -638,6 +652,7 @@ def main() -> None:
     receiver = remote.remote("decode", args.recv_block_size, *common, 2, devices[1])
     ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
     priority = args.nccl_stream_priority
+    ray.get(sender.set_busy_before_us.remote(args.busy_before_us))
     ray.get([side.set_nccl_stream_priority.remote(priority) for side in (sender, receiver)])
     if args.watchdog:
         ray.get([sender.watchdog.remote(args.watchdog), receiver.watchdog.remote(args.watchdog)])
@@ -792,6 +807,7 @@ def main() -> None:
                 "recv_block_size": args.recv_block_size,
                 "env": args.env,
                 "nccl_stream_priority": args.nccl_stream_priority,
+                "busy_before_us": args.busy_before_us,
                 "warmup": w,
                 "repeat": r,
             },

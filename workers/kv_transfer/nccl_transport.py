@@ -420,19 +420,28 @@ class NcclKVTransport(KVTransport):
         if not plan:
             return
         nbytes = max(layers for _, layers in plan) * layer_bytes
+        count = min(_RING, len(plan)) if inc is not None else 1
         with torch.cuda.stream(pair.nccl_stream):
-            count = min(_RING, len(plan)) if inc is not None else 1
-            ring = [self._bytes(nbytes) for _ in range(count)]
+            staging = self._bytes(count * nbytes)  # one allocation for the ring
+        ring = [staging[j * nbytes : (j + 1) * nbytes] for j in range(count)]
         recv = None
         if inc is not None:
-            recv = inc.extra["recv"] = _Recv(pair, self._live_flag(pair))
-            inc.dst_slots.record_stream(pair.copy_stream)
-            for buf in ring:
-                buf.record_stream(pair.copy_stream)
+            recv = inc.extra["recv"] = _Recv(pair, None)
+        # Receive 0 first: the sender may be waiting for it; the rest of the set-up after.
         with pair.lock:
             if pair.aborted:
                 raise ConnectionError(f"NCCL communicator {pair.key} was aborted")
-            for i in range(len(plan) + 1):
+            pair.recv(ring[0], plan[0][1] * layer_bytes)
+            if recv is not None:
+                recv.received.append(_record(pair.nccl_stream))
+        if inc is not None:
+            recv.live = self._live_flag(pair)  # before any scatter is queued
+            inc.dst_slots.record_stream(pair.copy_stream)
+            staging.record_stream(pair.copy_stream)
+        with pair.lock:
+            if pair.aborted:
+                raise ConnectionError(f"NCCL communicator {pair.key} was aborted")
+            for i in range(1, len(plan) + 1):
                 if i < len(plan):
                     buf = ring[i % len(ring)]
                     if recv is not None and i >= _RING:
@@ -440,7 +449,7 @@ class NcclKVTransport(KVTransport):
                     pair.recv(buf, plan[i][1] * layer_bytes)
                     if recv is not None:
                         recv.received.append(_record(pair.nccl_stream))
-                if recv is not None and i >= 1:
+                if recv is not None:
                     self._queue_scatter(pair, recv, plan[i - 1], ring[(i - 1) % len(ring)], inc)
 
     def _queue_scatter(self, pair: Pair, recv: _Recv, message, buf, inc: Incoming) -> None:
