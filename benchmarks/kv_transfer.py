@@ -102,6 +102,10 @@ class StampedNccl(_Stamp, NcclKVTransport):
         super()._finish_incoming(inc)
         self.host_mark("host: in place")  # beside the receiver's end stamp
 
+    def finish_send(self, request_id, done) -> None:
+        self.host_mark("host: finish_send")
+        super().finish_send(request_id, done)
+
     def _on_done(self, conn, header) -> None:
         self.host_mark("host: done frame")
         super()._on_done(conn, header)
@@ -256,7 +260,7 @@ class Worker:
     def join(self, pair_key: str, unique_id: bytes) -> None:
         self.transports["nccl"].join(pair_key, unique_id)
 
-    def set_layers_per_message(self, n: int, first: int = 1) -> None:
+    def set_layers_per_message(self, n: int, first: int = 2) -> None:
         self.transports["nccl"].layers_per_message = n
         self.transports["nccl"].first_message_layers = first
 
@@ -572,7 +576,7 @@ def main() -> None:
         "--first-message-layers",
         type=int,
         nargs="+",
-        default=[1],
+        default=[2],
         help="the plan's first (and last) message size; rows for each, by --layers-per-message",
     )
     ap.add_argument(
@@ -598,8 +602,8 @@ def main() -> None:
     ap.add_argument(
         "--nccl-stream-priority",
         type=int,
-        default=0,
-        help="CUDA priority of the transport's NCCL streams (-1: higher than the copies')",
+        help="CUDA priority of the transport's NCCL streams (default: the transport's, -1, "
+        "above the copies and the compute; 0: the same)",
     )
     ap.add_argument(
         "--busy-before-us",
@@ -651,9 +655,10 @@ def main() -> None:
     sender = remote.remote("prefill", args.send_block_size, *common, 1, devices[0])
     receiver = remote.remote("decode", args.recv_block_size, *common, 2, devices[1])
     ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
-    priority = args.nccl_stream_priority
     ray.get(sender.set_busy_before_us.remote(args.busy_before_us))
-    ray.get([side.set_nccl_stream_priority.remote(priority) for side in (sender, receiver)])
+    if args.nccl_stream_priority is not None:
+        priority = args.nccl_stream_priority
+        ray.get([side.set_nccl_stream_priority.remote(priority) for side in (sender, receiver)])
     if args.watchdog:
         ray.get([sender.watchdog.remote(args.watchdog), receiver.watchdog.remote(args.watchdog)])
     print("actors ready", flush=True)
@@ -679,8 +684,9 @@ def main() -> None:
         for m in args.layers_per_message
         for f in args.first_message_layers
     ]
-    modes += [(m, 1, "fused", 0, True) for m in args.posted_first_layers_per_message]
-    modes += [(m, 1, "torch", 0, False) for m in args.torch_copy_layers_per_message]
+    f0 = args.first_message_layers[0]
+    modes += [(m, f0, "fused", 0, True) for m in args.posted_first_layers_per_message]
+    modes += [(m, f0, "torch", 0, False) for m in args.torch_copy_layers_per_message]
     for m, first, copy, gap, posted_first in modes:
         ray.get(sender.set_layers_per_message.remote(m, first))
         ray.get([side.set_fused_copy.remote(copy == "fused") for side in (sender, receiver)])

@@ -204,7 +204,11 @@ class KVTransport(ABC):
             if out is None or out.state != TransferState.SENDING:
                 return
             out.state = TransferState.WAITING_FOR_ACK
-        out.peer.post({"kind": "done", "layers": out.layers_sent, **asdict(done)})
+        self._post_done(out.peer, {"kind": "done", "layers": out.layers_sent, **asdict(done)})
+
+    def _post_done(self, peer: Peer, frame: dict[str, Any]) -> None:
+        """Queue the "done" frame behind the transfer's layer frames."""
+        peer.post(frame)
 
     # ---- both ---------------------------------------------------------------
 

@@ -131,8 +131,8 @@ class _Recv:
 class NcclKVTransport(KVTransport):
     name = "nccl"
     # CUDA priority of the pairs' NCCL streams (lower is higher; 0 is the default's):
-    # a higher one lets NCCL's blocks start ahead of queued copy kernels.
-    nccl_stream_priority = 0
+    # high, so NCCL's blocks start ahead of queued copy and compute kernels.
+    nccl_stream_priority = -1
 
     def __init__(
         self,
@@ -143,7 +143,7 @@ class NcclKVTransport(KVTransport):
         rendezvous: Rendezvous | None = None,
         layers_per_message: int = 8,
         fused_copy: bool = True,
-        first_message_layers: int = 1,
+        first_message_layers: int = 2,
     ):
         message_plan(layers_per_message, 1, first_message_layers)  # raises on a bad value
         self.rendezvous = rendezvous  # needed to send; a receive-only worker may leave it None
@@ -320,6 +320,14 @@ class NcclKVTransport(KVTransport):
                 send.dropped = True
                 self._pump(send.pair)
         super().finish_send(request_id, done)
+
+    def _post_done(self, peer: Peer, frame: dict[str, Any]) -> None:
+        # No layer frames to follow: written now, not handed to the writer thread,
+        # whose wake-up the receiver's end of the hand-off would wait for.
+        try:
+            peer.conn.send(frame)
+        except OSError as e:
+            self._peer_lost(peer, f"the done frame could not be sent: {e}")
 
     def _release_outgoing(self, out: Outgoing) -> None:
         send: _Send | None = out.extra.get("send")
