@@ -107,6 +107,10 @@ class StepBench:
             for t in engine.kv_cache.layer(layer):
                 t[1:].normal_()  # random KV, never zeros; the null page stays zero
 
+    def reset_blocks(self) -> None:
+        """Hand out the cache's blocks from the start again (earlier steps are done)."""
+        self._next_block = 1
+
     def blocks(self, tokens: int) -> list[int]:
         n = -(-tokens // self.block_size)
         start, self._next_block = self._next_block, self._next_block + n
@@ -248,6 +252,7 @@ def main() -> None:
         )
         if args.profile_only:
             return
+        bench.reset_blocks()
 
     decode_rows, labels, ratios = [], [], []
     for batch in DECODE_BATCHES:
