@@ -35,12 +35,6 @@ its compute).
   the wire waits shows there).
 - --first-message-layers F: the plan ramps F, 2F, 4F, ... layers up to the cap
   and back down (rows for each F).
-- gating: by default (where the driver has stream memory operations) the
-  sender queues every gather and send at ``start_send``, each gather behind a
-  GPU signal that ``send_layer`` has the compute stream write; rows of
-  --event-gated-layers-per-message issue each message from the host once its
-  layers are in (CUDA events), as before. "start_send" host time is stamped
-  too: it runs before the clock, as it runs before the prefill in serving.
 
 Each figure is the median of --repeat runs after --warmup runs. The last run of
 each mode goes into zeroed receiver slots and its KV is checked against the
@@ -67,7 +61,6 @@ import ray
 import torch
 
 from splitserve.workers.kv_cache import KVCache, KVCacheSpec
-from splitserve.workers.kv_transfer import stream_signal
 from splitserve.workers.kv_transfer.cpu_transport import CpuKVTransport
 from splitserve.workers.kv_transfer.nccl_pair import communicator, message_plan, unique_id
 from splitserve.workers.kv_transfer.nccl_transport import NcclKVTransport
@@ -162,18 +155,10 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
         return [(w, at(b), at(e)) for w, b, e in marks]
 
-    def _stamps(self, rid: str) -> dict[str, float]:
-        return self.host.setdefault(rid, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0})
-
-    def start_send(self, ticket, src_block_ids) -> None:
-        """Also stamps how long ``start_send`` took (with GPU signals it queues the whole
-        plan; it runs before the clock starts, as in serving before the prefill)."""
-        begin = time.perf_counter()
-        super().start_send(ticket, src_block_ids)
-        self._stamps(ticket.request_id)["start_send_s"] = time.perf_counter() - begin
-
     def _issue(self, pair, out, send) -> None:
-        h = self._stamps(out.ticket.request_id)
+        h = self.host.setdefault(
+            out.ticket.request_id, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0}
+        )
         nccl_send = pair.send
 
         def timed_send(buf, nbytes) -> None:
@@ -278,13 +263,6 @@ class Worker:
     def set_layers_per_message(self, n: int, first: int = 2) -> None:
         self.transports["nccl"].layers_per_message = n
         self.transports["nccl"].first_message_layers = first
-
-    def set_gpu_signals(self, on: bool) -> bool:
-        """Gate the sender's messages on GPU signals (else on CUDA events); whether they
-        are on after the call (off where the driver lacks stream memory operations)."""
-        t = self.transports["nccl"]
-        t.gpu_signals = on and stream_signal.available(self.device.index)
-        return t.gpu_signals
 
     def set_nccl_stream_priority(self, priority: int) -> None:
         """Before the first hand-off: the priority of the pair's NCCL stream."""
@@ -542,7 +520,6 @@ def record_timeline(
     stamp); prints and returns (side, what, begin us, end us) of both GPUs, in
     microseconds from the sender's start."""
     ray.get(sender.set_layers_per_message.remote(layers_per_message, first))
-    ray.get(sender.set_gpu_signals.remote(True))
     ray.get([side.set_fused_copy.remote(True) for side in (sender, receiver)])
     ray.get([side.set_timeline.remote(True) for side in (sender, receiver)])
     time_transport(sender, receiver, "nccl", "timeline", 0, 1, posted_first=posted_first)
@@ -645,14 +622,6 @@ def main() -> None:
         help="rows with the torch gather/scatter instead of the fused kernels",
     )
     ap.add_argument(
-        "--event-gated-layers-per-message",
-        type=int,
-        nargs="*",
-        default=[8],
-        help="rows with each message issued by the host when its layers are in (CUDA "
-        "events), not queued at announce behind GPU signals",
-    )
-    ap.add_argument(
         "--posted-first-layers-per-message",
         type=int,
         nargs="*",
@@ -710,25 +679,19 @@ def main() -> None:
 
     rows = []
     modes = [
-        (m, f, "fused", gap, False, True)
+        (m, f, "fused", gap, False)
         for gap in args.layer_gap_us
         for m in args.layers_per_message
         for f in args.first_message_layers
     ]
     f0 = args.first_message_layers[0]
-    modes += [
-        (m, f0, "fused", g, False, False)
-        for g in args.layer_gap_us
-        for m in args.event_gated_layers_per_message
-    ]
-    modes += [(m, f0, "fused", 0, True, True) for m in args.posted_first_layers_per_message]
-    modes += [(m, f0, "torch", 0, False, True) for m in args.torch_copy_layers_per_message]
-    for m, first, copy, gap, posted_first, signals in modes:
-        signals = ray.get(sender.set_gpu_signals.remote(signals))
+    modes += [(m, f0, "fused", 0, True) for m in args.posted_first_layers_per_message]
+    modes += [(m, f0, "torch", 0, False) for m in args.torch_copy_layers_per_message]
+    for m, first, copy, gap, posted_first in modes:
         ray.get(sender.set_layers_per_message.remote(m, first))
         ray.get([side.set_fused_copy.remote(copy == "fused") for side in (sender, receiver)])
         sizes = [n * layer_bytes for _, n in message_plan(m, LAYERS, first)]
-        tag = f"nccl-m{m}-f{first}-{copy}-g{gap:g}-p{posted_first:d}-s{signals:d}"
+        tag = f"nccl-m{m}-f{first}-{copy}-g{gap:g}-p{posted_first:d}"
         seconds, tail, intact, host = time_transport(
             sender, receiver, "nccl", tag, w, r, gap, posted_first
         )
@@ -736,8 +699,7 @@ def main() -> None:
         raw_same = time_raw(sender, receiver, sizes, w, r)
         raw_issue_ms = ray.get(sender.raw_issue_ms.remote())
         print(
-            f"m={m} first={first} {copy} gap={gap:g}us posted_first={posted_first} "
-            f"gpu_signals={signals}: "
+            f"m={m} first={first} {copy} gap={gap:g}us posted_first={posted_first}: "
             f"{seconds * 1e3:.3f} ms, "
             f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms (issued in "
             f"{raw_issue_ms:.3f}); host (ms): "
@@ -750,7 +712,6 @@ def main() -> None:
                 "copy": copy,
                 "layers_per_message": m,
                 "first_message_layers": first,
-                "gpu_signals": signals,
                 "layer_gap_us": gap,
                 "posted_first": posted_first,
                 "host_ms": {k: round(v * 1e3, 3) for k, v in host.items()},
@@ -807,8 +768,7 @@ def main() -> None:
         print(f"{op} alone, all layers, {copy}: {ms:.3f} ms ({total / ms / 1e6:.0f} GB/s each way)")
     print()
     head = (
-        f"{'transport':<9} {'copy':<5} {'layers/msg':>10} {'first':>5} {'gated':>6} "
-        f"{'gap us':>6} {'msgs':>4} "
+        f"{'transport':<9} {'copy':<5} {'layers/msg':>10} {'first':>5} {'gap us':>6} {'msgs':>4} "
         f"{'max MB':>7} {'tokens':>6} {'MB':>7} {'ms':>8} {'tail ms':>7} {'GB/s':>7} "
         f"{'raw same':>8} {'raw one':>8} {'ratio':>6} {'intact':>6}"
     )
@@ -819,7 +779,6 @@ def main() -> None:
         print(
             f"{row['transport']:<9} {row['copy']:<5} {row['layers_per_message']:>10} "
             f"{row.get('first_message_layers', 1):>5} "
-            f"{'signal' if row.get('gpu_signals') else 'event':>6} "
             f"{row['layer_gap_us']:>6g} {row['messages']:>4} {row['max_message_mb']:>7.1f} "
             f"{row['tokens']:>6} {row['bytes'] / 1e6:>7.1f} {row['median_ms']:>8.3f} "
             f"{'-' if tail is None else f'{tail:.3f}':>7} {row['effective_gbps']:>7.1f} "

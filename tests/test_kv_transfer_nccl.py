@@ -21,7 +21,6 @@ if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 GPUs", allow_module_level=True)
 
 from splitserve.workers.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from splitserve.workers.kv_transfer import stream_signal  # noqa: E402
 from splitserve.workers.kv_transfer.registry import make_kv_transport  # noqa: E402
 from splitserve.workers.kv_transfer.ticket import (  # noqa: E402
     TransferDone,
@@ -64,13 +63,6 @@ class Side:
 
     def set_layers_per_message(self, n: int) -> None:
         self.transport.layers_per_message = n
-
-    def set_gpu_signals(self, on: bool) -> bool:
-        """Gate sends on GPU signals (else CUDA events); False where unsupported."""
-        if on and not stream_signal.available(self.device.index):
-            return False
-        self.transport.gpu_signals = on
-        return True
 
     def set_fused_copy(self, fused: bool) -> bool:
         if self.transport._kernel is None:
@@ -180,17 +172,6 @@ def sides():
     ray.shutdown()
 
 
-@pytest.fixture(params=["gpu-signals", "events"])
-def gating(request, sides):
-    """How the sender gates its messages: queued at announce behind GPU signals that the
-    compute stream writes, or issued by the host once CUDA events say the layers are in."""
-    on = request.param == "gpu-signals"
-    if not all(ray.get([side.set_gpu_signals.remote(on) for side in sides])):
-        pytest.skip("stream memory operations are not supported by this driver")
-    yield request.param
-    ray.get([side.set_gpu_signals.remote(True) for side in sides])
-
-
 def _hand_off(sender, receiver, rid, src, dst, start, num_tokens, first=7, **kw):
     ticket = ray.get(receiver.expect.remote(rid, dst, start, num_tokens))
     ray.get(sender.send.remote(ticket, src, first=first, **kw))
@@ -205,9 +186,7 @@ def _assert_arrived(sender, receiver, src, dst, start, num_tokens):
 @pytest.mark.parametrize("copy", ["fused", "torch"])
 @pytest.mark.parametrize("layers_per_message", [1, 3, 8])
 @pytest.mark.parametrize("direction", ["16->32", "32->16"])
-def test_kv_arrives_byte_identical_across_block_sizes(
-    sides, gating, direction, layers_per_message, copy
-):
+def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_per_message, copy):
     sender, receiver = sides if direction == "16->32" else sides[::-1]
     for side in sides:  # the fused gather / scatter kernels compile on both GPUs
         assert ray.get(side.set_fused_copy.remote(copy == "fused"))
@@ -217,7 +196,7 @@ def test_kv_arrives_byte_identical_across_block_sizes(
     ray.get(sender.set_layers_per_message.remote(layers_per_message))
     ray.get(receiver.clear.remote(dst, 20, 90))  # earlier cases sent the same bytes here
     before = ray.get(receiver.snapshot.remote())
-    rid = f"ident-{direction}-{layers_per_message}-{copy}-{gating}"
+    rid = f"ident-{direction}-{layers_per_message}-{copy}"
     _hand_off(sender, receiver, rid, src, dst, start=20, num_tokens=90)
     ((_, side, ok, error, first),) = ray.get(receiver.events.remote())
     assert ok and side == "recv" and first == 7, error
@@ -238,12 +217,11 @@ def test_kv_arrives_byte_identical_across_block_sizes(
         ray.get(side.set_fused_copy.remote(True))
 
 
-def test_many_transfers_in_a_row_stay_ordered(sides, gating):
+def test_many_transfers_in_a_row_stay_ordered(sides):
     sender, receiver = sides
     ray.get(sender.set_layers_per_message.remote(2))
     for i in range(12):  # 32 tokens each, from distinct blocks into distinct blocks
-        src, rid = [1 + 2 * i, 2 + 2 * i], f"many{i}-{gating}"
-        _hand_off(sender, receiver, rid, src, [30 + i], 0, 32, first=i)
+        _hand_off(sender, receiver, f"many{i}", [1 + 2 * i, 2 + 2 * i], [30 + i], 0, 32, first=i)
     events = ray.get(receiver.events.remote(12))
     assert sorted(e[4] for e in events) == list(range(12)) and all(e[2] for e in events)
     assert all(e[2] for e in ray.get(sender.events.remote(12)))
@@ -253,9 +231,7 @@ def test_many_transfers_in_a_row_stay_ordered(sides, gating):
 
 
 @pytest.mark.parametrize("layers_per_message", [1, 2])
-def test_transfers_started_together_share_the_pair_in_announce_order(
-    sides, gating, layers_per_message
-):
+def test_transfers_started_together_share_the_pair_in_announce_order(sides, layers_per_message):
     sender, receiver = sides
     ray.get(sender.set_layers_per_message.remote(layers_per_message))
     # Different lengths, so mismatched NCCL messages would not line up in size either.
@@ -264,7 +240,7 @@ def test_transfers_started_together_share_the_pair_in_announce_order(
         for i in range(3)
     ]
     tickets = [
-        ray.get(receiver.expect.remote(f"together{layers_per_message}-{i}-{gating}", dst, 0, n))
+        ray.get(receiver.expect.remote(f"together{layers_per_message}-{i}", dst, 0, n))
         for i, (dst, _, n) in enumerate(specs)
     ]
     ray.get(sender.send_together.remote(tickets, [src for _, src, _ in specs], NUM_LAYERS))
@@ -276,41 +252,41 @@ def test_transfers_started_together_share_the_pair_in_announce_order(
     ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
 
 
-def test_missing_layers_fail_the_transfer_and_the_pair_stays_in_step(sides, gating):
+def test_missing_layers_fail_the_transfer_and_the_pair_stays_in_step(sides):
     sender, receiver = sides
-    ticket = ray.get(receiver.expect.remote(f"ml-{gating}", [1, 2], 0, 50))
+    ticket = ray.get(receiver.expect.remote("ml", [1, 2], 0, 50))
     ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=[0, 1]))  # then "done"
     ((_, _, ok, error, _),) = ray.get(receiver.events.remote())
     assert not ok and f"received 2 of {NUM_LAYERS} KV layers" in error, error
     ((_, _, ok, _, _),) = ray.get(sender.events.remote())
     assert not ok
-    _hand_off(sender, receiver, f"ml-next-{gating}", [7, 8], [9], 0, 32)
+    _hand_off(sender, receiver, "ml-next", [7, 8], [9], 0, 32)
     assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]
     _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
 
 
-def test_a_transfer_cancelled_before_its_announce_goes_into_scratch(sides, gating):
+def test_a_transfer_cancelled_before_its_announce_goes_into_scratch(sides):
     sender, receiver = sides
-    ticket = ray.get(receiver.expect.remote(f"early-{gating}", [1, 2], 0, 50))
-    ray.get(receiver.cancel.remote(f"early-{gating}"))
+    ticket = ray.get(receiver.expect.remote("early", [1, 2], 0, 50))
+    ray.get(receiver.cancel.remote("early"))
     before = ray.get(receiver.snapshot.remote())
     ray.get(sender.send.remote(ticket, [3, 4, 5, 6]))
     ((_, _, ok, error, _),) = ray.get(sender.events.remote())
     assert not ok and "no longer expects" in error
     assert torch.equal(before, ray.get(receiver.snapshot.remote()))  # nothing scattered
-    _hand_off(sender, receiver, f"early-next-{gating}", [7, 8], [9], 0, 32)
+    _hand_off(sender, receiver, "early-next", [7, 8], [9], 0, 32)
     assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]
     _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
 
 
-def test_receiver_cancel_nacks_the_sender_and_the_pair_stays_in_step(sides, gating):
+def test_receiver_cancel_nacks_the_sender_and_the_pair_stays_in_step(sides):
     sender, receiver = sides
-    ticket = ray.get(receiver.expect.remote(f"rc-{gating}", [1, 2], 0, 50))
+    ticket = ray.get(receiver.expect.remote("rc", [1, 2], 0, 50))
     ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=[0], finish=False))
     time.sleep(0.2)
-    ray.get(receiver.cancel.remote(f"rc-{gating}"))
+    ray.get(receiver.cancel.remote("rc"))
     before = ray.get(receiver.snapshot.remote())
     ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=range(1, NUM_LAYERS), start=False))
     ((_, _, ok, error, _),) = ray.get(sender.events.remote())
@@ -320,21 +296,21 @@ def test_receiver_cancel_nacks_the_sender_and_the_pair_stays_in_step(sides, gati
     assert ray.get(receiver.events.remote(timeout=0.5)) == []  # a cancel here reports nothing
     # The layers that went on after the cancel were received into scratch: the next
     # transfer on the same communicator still lines up.
-    _hand_off(sender, receiver, f"rc-next-{gating}", [7, 8], [9], 0, 32)
+    _hand_off(sender, receiver, "rc-next", [7, 8], [9], 0, 32)
     assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]
     _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
 
 
-def test_sender_cancel_fails_the_receiver_and_the_pair_stays_in_step(sides, gating):
+def test_sender_cancel_fails_the_receiver_and_the_pair_stays_in_step(sides):
     sender, receiver = sides
-    ticket = ray.get(receiver.expect.remote(f"sc-{gating}", [1, 2], 0, 50))
+    ticket = ray.get(receiver.expect.remote("sc", [1, 2], 0, 50))
     ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=[0, 1], finish=False))
-    ray.get(sender.cancel.remote(f"sc-{gating}"))
+    ray.get(sender.cancel.remote("sc"))
     ((_, _, ok, error, _),) = ray.get(receiver.events.remote())
     assert not ok and "cancelled" in error
     assert ray.get(sender.events.remote(timeout=0.5)) == []
-    _hand_off(sender, receiver, f"sc-next-{gating}", [7, 8], [9], 0, 32)
+    _hand_off(sender, receiver, "sc-next", [7, 8], [9], 0, 32)
     assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]
     _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)

@@ -69,7 +69,6 @@ import torch
 from splitserve.kernels.kv_gather import gather_kv, scatter_kv
 from splitserve.kernels.kv_gather_cuda import KVGatherKernel
 from splitserve.workers.kv_cache import KVCache
-from splitserve.workers.kv_transfer import stream_signal
 from splitserve.workers.kv_transfer.base import Incoming, KVTransport, Outgoing, Peer, TransferState
 from splitserve.workers.kv_transfer.framing import Connection
 from splitserve.workers.kv_transfer.nccl_pair import (
@@ -117,14 +116,6 @@ class _Send:
     )
     kv_shape: tuple[int, ...] = ()  # a staging buffer's KV view, less the layer count
     kv_dtype: torch.dtype = torch.uint8
-    # Gated (``gpu_signals``): every gather and send is queued at announce, each gather
-    # behind ``signal >= its last layer + 1``; send_layer has the compute stream write
-    # the count at each message's end (``ends``) and records ``written`` after it.
-    signal: torch.Tensor | None = None
-    ends: frozenset[int] = frozenset()
-    written: torch.cuda.Event | None = None
-    opened: bool = False  # the gate was opened for good (a dropped transfer)
-    gate: threading.Lock = field(default_factory=threading.Lock)  # orders writes and open
 
 
 @dataclass(eq=False)
@@ -153,7 +144,6 @@ class NcclKVTransport(KVTransport):
         layers_per_message: int = 8,
         fused_copy: bool = True,
         first_message_layers: int = 2,
-        gpu_signals: bool | None = None,
     ):
         message_plan(layers_per_message, 1, first_message_layers)  # raises on a bad value
         self.rendezvous = rendezvous  # needed to send; a receive-only worker may leave it None
@@ -171,12 +161,6 @@ class NcclKVTransport(KVTransport):
         self._kernel = KVGatherKernel.build(kv_cache.k, kv_cache.v)
         self._fused_copy = fused_copy and self._kernel is not None
         self._flag_stream = torch.cuda.Stream(self.device)  # live flags: never waits on others
-        available = stream_signal.available(self.device.index)
-        if gpu_signals and not available:
-            raise ValueError("gpu_signals: stream memory operations do not work on this GPU")
-        # Queue a transfer's gathers and sends at announce, gated on the GPU (see
-        # ``_Send.signal``); None: wherever the driver supports it.
-        self.gpu_signals = available if gpu_signals is None else gpu_signals
 
     # ---- making pairs ---------------------------------------------------------
 
@@ -308,15 +292,6 @@ class NcclKVTransport(KVTransport):
         out.src_slots.record_stream(pair.copy_stream)
         if plan:
             self._ring(pair, send, 0)  # now, not on the first layer's hot path
-        if self.gpu_signals:
-            # Zeroed in the compute stream's order, before any write of its own, and the
-            # copy stream's waits only after that (the copy stream may lag behind).
-            send.signal = stream_signal.new_signal(compute)
-            pair.copy_stream.wait_event(_record(compute))
-            send.signal.record_stream(pair.copy_stream)
-            send.signal.record_stream(self._flag_stream)
-            send.ends = frozenset(first + n for first, n in plan)
-            send.written = torch.cuda.Event()
         header = {"kind": "announce", "request_id": t.request_id, "layer_bytes": layer_bytes}
         header["messages"] = [list(m) for m in plan]
         with pair.lock:  # the queue and the wire see the same order
@@ -324,8 +299,6 @@ class NcclKVTransport(KVTransport):
                 raise ConnectionError(f"NCCL communicator {pair.key} was aborted")
             pair.conn.send(header)
             pair.sending.append(out)
-        if send.signal is not None:
-            self._pump(pair)  # the whole plan, each gather waiting for its signal
 
     def _send_layer_data(self, out: Outgoing, header: dict[str, Any]) -> None:
         send: _Send = out.extra["send"]
@@ -336,13 +309,7 @@ class NcclKVTransport(KVTransport):
             )
         send.ready += 1
         send.compute = torch.cuda.current_stream(self.device)
-        if send.signal is None:
-            self._pump(send.pair)
-        elif send.ready in send.ends:
-            with send.gate:  # never after the gate was opened for good
-                if not send.opened:
-                    stream_signal.write(send.compute, send.signal, send.ready)
-                    send.written.record(send.compute)
+        self._pump(send.pair)
 
     def finish_send(self, request_id: str, done: TransferDone) -> None:
         with self._lock:
@@ -352,7 +319,6 @@ class NcclKVTransport(KVTransport):
             if send.ready < out.ticket.num_layers:  # the receiver will fail it; keep in step
                 send.dropped = True
                 self._pump(send.pair)
-                self._open_gate(send)
         super().finish_send(request_id, done)
 
     def _post_done(self, peer: Peer, frame: dict[str, Any]) -> None:
@@ -368,20 +334,6 @@ class NcclKVTransport(KVTransport):
         if send is not None and send.issued < len(send.plan):
             send.dropped = True
             self._pump(send.pair)
-        if send is not None and send.ready < out.ticket.num_layers:
-            self._open_gate(send)
-
-    def _open_gate(self, send: _Send) -> None:
-        """Let every gated gather of ``send`` run (a dropped transfer's messages go out as
-        filler), after the compute stream's last write to its signal."""
-        if send.signal is None:
-            return
-        with send.gate:
-            if send.opened:
-                return
-            send.opened = True
-            self._flag_stream.wait_event(send.written)  # not recorded yet: no wait
-            stream_signal.write(self._flag_stream, send.signal, stream_signal.OPEN)
 
     def _pump(self, pair: Pair) -> None:
         """Queue every send that may go now: the oldest transfer's ready messages, in order."""
@@ -408,12 +360,9 @@ class NcclKVTransport(KVTransport):
         nbytes = layers * send.layer_bytes
         slot = i % _RING
         buf = self._ring(pair, send, slot)
-        if send.signal is not None:  # the compute stream's write lets the gather run
-            stream_signal.wait_at_least(pair.copy_stream, send.signal, first + layers)
         if not send.dropped:
-            if send.signal is None:
-                send.computed.record(send.compute)  # the layers are computed
-                pair.copy_stream.wait_event(send.computed)
+            send.computed.record(send.compute)  # the layers are computed
+            pair.copy_stream.wait_event(send.computed)
             if send.sent[slot] is not None:  # and the buffer's last send is done
                 pair.copy_stream.wait_event(send.sent[slot])
             kv = buf[:nbytes].view(send.kv_dtype).view(layers, *send.kv_shape)
@@ -642,10 +591,6 @@ class NcclKVTransport(KVTransport):
                 self._recv_pairs.remove(pair)
             for peer in [p for p, q in self._send_pairs.items() if q is pair]:
                 del self._send_pairs[peer]
-            sends = [o.extra.get("send") for o in self._outgoing.values()]
-        for send in sends:  # gathers still gated on this pair: let them drain
-            if send is not None and send.pair is pair:
-                self._open_gate(send)
 
     def _bytes(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -666,7 +611,7 @@ class NcclKVTransport(KVTransport):
 
 def _can_issue(send: _Send) -> bool:
     first, layers = send.plan[send.issued]
-    return send.dropped or send.signal is not None or send.ready >= first + layers
+    return send.dropped or send.ready >= first + layers
 
 
 def _check_plan(ticket: TransferTicket, plan: list[tuple[int, int]], layer_bytes: int):
