@@ -1,0 +1,153 @@
+"""The KV transports of ``kv_transfer.py``, instrumented: when a hand-off ends on the
+receiver, the host time of each step of the sender's and receiver's work, and with
+the timeline on, CUDA events around every gather, send, receive and scatter plus
+host instants placed on the GPU's clock."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from splitserve.workers.kv_transfer.cpu_transport import CpuKVTransport
+from splitserve.workers.kv_transfer.nccl_transport import NcclKVTransport
+
+
+class _Stamp:
+    """Records when a transfer's KV is in place on the receiver: the end of a timed span."""
+
+    def __init__(self, *args, **kwargs):
+        self.arrived: dict[str, float] = {}
+        super().__init__(*args, **kwargs)
+
+    def _finish_incoming(self, inc) -> None:
+        super()._finish_incoming(inc)
+        torch.cuda.synchronize(self.device)  # the CPU transport scatters on the default stream
+        self.arrived[inc.ticket.request_id] = time.perf_counter()
+
+
+class StampedNccl(_Stamp, NcclKVTransport):
+    """Also stamps the host work per transfer: the sender's message issues (gather and
+    send launches) and the receiver's posting of all receives and scatters."""
+
+    def __init__(self, *args, **kwargs):
+        self.host: dict[str, dict[str, float]] = {}
+        self._issuing = {"gather_s": 0.0}  # the stamps of the transfer being issued
+        # With --timeline: (what, begin, end) CUDA events around each gather, send,
+        # receive and scatter, in queue order (None: off).
+        self.gpu_marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
+        self._host_marks: dict[torch.cuda.Event, float] = {}  # host clock of each host mark
+        self._mark_stream: torch.cuda.Stream | None = None
+        super().__init__(*args, **kwargs)
+
+    def _finish_incoming(self, inc) -> None:
+        super()._finish_incoming(inc)
+        self.host_mark("host: in place")  # beside the receiver's end stamp
+
+    def finish_send(self, request_id, done) -> None:
+        self.host_mark("host: finish_send")
+        super().finish_send(request_id, done)
+
+    def _on_done(self, conn, header) -> None:
+        self.host_mark("host: done frame")
+        super()._on_done(conn, header)
+
+    def _on_frame(self, conn, header) -> None:
+        if header["kind"] == "announce":
+            self.host_mark("host: announce")
+        super()._on_frame(conn, header)
+
+    def _span(self, what: str, stream: torch.cuda.Stream, queue) -> None:
+        """``queue()``, with timing events around it on ``stream`` when the timeline is on."""
+        if self.gpu_marks is None:
+            return queue()
+        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        begin.record(stream)
+        queue()
+        end.record(stream)
+        self.gpu_marks.append((what, begin, end))
+
+    def host_mark(self, what: str) -> None:
+        """With the timeline on, an instant on the GPU's clock for a moment of the host:
+        an event on an idle stream, which the GPU passes as soon as it is queued."""
+        if self.gpu_marks is None:
+            return
+        if self._mark_stream is None:
+            self._mark_stream = torch.cuda.Stream(self.device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self._mark_stream)
+        self._host_marks[event] = time.perf_counter()
+        self.gpu_marks.append((what, event, event))
+
+    def timeline(self) -> list[tuple[str, float, float]]:
+        """(what, begin us, end us) of every marked span on the host's clock (both
+        actors read the same monotonic clock), placed through the first host mark;
+        clears them."""
+        marks, self.gpu_marks = self.gpu_marks or [], []
+        host, self._host_marks = self._host_marks, {}
+        if not marks or not host:
+            return []
+        torch.cuda.synchronize(self.device)
+        first = marks[0][1]
+        anchor, host_s = next(iter(host.items()))
+        offset_us = host_s * 1e6 - first.elapsed_time(anchor) * 1e3
+
+        def at(event) -> float:
+            return offset_us + first.elapsed_time(event) * 1e3
+
+        return [(w, at(b), at(e)) for w, b, e in marks]
+
+    def _issue(self, pair, out, send) -> None:
+        h = self.host.setdefault(
+            out.ticket.request_id, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0}
+        )
+        nccl_send = pair.send
+
+        def timed_send(buf, nbytes) -> None:
+            begin = time.perf_counter()
+            self._span(f"send {send.issued}", pair.nccl_stream, lambda: nccl_send(buf, nbytes))
+            h["nccl_send_s"] += time.perf_counter() - begin
+
+        pair.send, self._issuing = timed_send, h
+        begin = time.perf_counter()
+        try:
+            super()._issue(pair, out, send)
+        finally:
+            del pair.send
+        end = time.perf_counter()
+        h["issue_s"] += end - begin
+        h["last_issue_at"] = end
+
+    def gather(self, first, slots, out, stream=None) -> None:
+        begin = time.perf_counter()
+        queue = lambda: super(StampedNccl, self).gather(first, slots, out, stream)  # noqa: E731
+        self._span(f"gather {first}+{out.shape[0]}", stream or torch.cuda.current_stream(), queue)
+        self._issuing["gather_s"] += time.perf_counter() - begin
+
+    def scatter(self, first, slots, kv, live=None, stream=None) -> None:
+        queue = lambda: super(StampedNccl, self).scatter(first, slots, kv, live, stream)  # noqa: E731
+        self._span(f"scatter {first}+{kv.shape[0]}", stream or torch.cuda.current_stream(), queue)
+
+    def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
+        begin = time.perf_counter()
+        self.host_mark("host: posting")
+        nccl_recv, count = pair.recv, iter(range(len(plan)))
+
+        def marked_recv(buf, nbytes) -> None:
+            i = next(count)
+            if i == 0:
+                self.host_mark("host: recv 0 call")
+            self._span(f"recv {i}", pair.nccl_stream, lambda: nccl_recv(buf, nbytes))
+
+        pair.recv = marked_recv
+        try:
+            super()._post_receives(pair, plan, layer_bytes, inc)
+        finally:
+            del pair.recv
+        if inc is not None:
+            end = time.perf_counter()
+            self.host[inc.ticket.request_id] = {"post_s": end - begin, "posted_at": end}
+
+
+class StampedCpu(_Stamp, CpuKVTransport):
+    pass
