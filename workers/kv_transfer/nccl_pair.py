@@ -45,6 +45,11 @@ class Pair:
     lock: threading.Lock = field(default_factory=threading.Lock)
     sending: deque = field(default_factory=deque)  # sender: Outgoing, in announce order
 
+    def check_open(self) -> None:
+        """Raise ConnectionError once the communicator was aborted; caller holds lock."""
+        if self.aborted:
+            raise ConnectionError(f"NCCL communicator {self.key} was aborted")
+
     def send(self, buf: torch.Tensor, nbytes: int) -> None:
         """Queue a send of ``buf``'s first ``nbytes`` on the NCCL stream; caller holds lock."""
         with self._on_device():

@@ -295,8 +295,7 @@ class NcclKVTransport(KVTransport):
         header = {"kind": "announce", "request_id": t.request_id, "layer_bytes": layer_bytes}
         header["messages"] = [list(m) for m in plan]
         with pair.lock:  # the queue and the wire see the same order
-            if pair.aborted:
-                raise ConnectionError(f"NCCL communicator {pair.key} was aborted")
+            pair.check_open()
             pair.conn.send(header)
             pair.sending.append(out)
 
@@ -435,30 +434,27 @@ class NcclKVTransport(KVTransport):
         recv = None
         if inc is not None:
             recv = inc.extra["recv"] = _Recv(pair, None)
-        # Receive 0 first: the sender may be waiting for it; the rest of the set-up after.
         with pair.lock:
-            if pair.aborted:
-                raise ConnectionError(f"NCCL communicator {pair.key} was aborted")
-            pair.recv(ring[0], plan[0][1] * layer_bytes)
-            if recv is not None:
-                recv.received.append(_record(pair.nccl_stream))
-        if inc is not None:
-            recv.live = self._live_flag(pair)  # before any scatter is queued
-            inc.dst_slots.record_stream(pair.copy_stream)
-            staging.record_stream(pair.copy_stream)
-        with pair.lock:
-            if pair.aborted:
-                raise ConnectionError(f"NCCL communicator {pair.key} was aborted")
+            pair.check_open()
+            # Receive 0 first: the sender may be waiting for it; the rest of the set-up after.
+            self._queue_recv(pair, recv, ring, plan, 0, layer_bytes)
+            if inc is not None:
+                recv.live = self._live_flag(pair)  # before any scatter is queued
+                inc.dst_slots.record_stream(pair.copy_stream)
+                staging.record_stream(pair.copy_stream)
             for i in range(1, len(plan) + 1):
                 if i < len(plan):
-                    buf = ring[i % len(ring)]
-                    if recv is not None and i >= _RING:
-                        pair.nccl_stream.wait_event(recv.scattered[i - _RING])
-                    pair.recv(buf, plan[i][1] * layer_bytes)
-                    if recv is not None:
-                        recv.received.append(_record(pair.nccl_stream))
+                    self._queue_recv(pair, recv, ring, plan, i, layer_bytes)
                 if recv is not None:
                     self._queue_scatter(pair, recv, plan[i - 1], ring[(i - 1) % len(ring)], inc)
+
+    def _queue_recv(self, pair: Pair, recv: _Recv | None, ring, plan, i: int, layer_bytes: int):
+        """Receive message ``i`` into its ring buffer, once message i - 2's scatter is done."""
+        if recv is not None and i >= _RING:
+            pair.nccl_stream.wait_event(recv.scattered[i - _RING])
+        pair.recv(ring[i % len(ring)], plan[i][1] * layer_bytes)
+        if recv is not None:
+            recv.received.append(_record(pair.nccl_stream))
 
     def _queue_scatter(self, pair: Pair, recv: _Recv, message, buf, inc: Incoming) -> None:
         first, layers = message
