@@ -229,3 +229,39 @@ def test_an_unknown_frame_kind_ends_the_connection(pair):
     sender._outgoing["r1"].peer.post({"kind": "bogus", "request_id": "r1"})
     (event,) = _wait(receiver)
     assert not event.ok and "went away" in event.error and "bogus" in event.error
+
+
+class _Event:
+    """Stands in for a CUDA event: completes after ``polls`` queries."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+def test_nccl_wait_event_returns_on_completion_and_gives_up_at_deadline_or_abort():
+    from splitserve.workers.kv_transfer.nccl_pair import Pair, wait_event
+
+    pair = Pair("k", None, 1, None, None)
+    event = _Event(polls=50)
+    assert wait_event(event, pair, time.monotonic() + 5)
+    assert event.polls == -1  # queried until it completed, not beyond
+    never = _Event(polls=10**9)
+    begin = time.monotonic()
+    assert not wait_event(never, pair, begin + 0.05)
+    assert 0.05 <= time.monotonic() - begin < 1.0
+    pair.aborted = True
+    assert not wait_event(never, pair, time.monotonic() + 5)
+
+
+def test_nccl_pair_check_open_raises_once_aborted():
+    from splitserve.workers.kv_transfer.nccl_pair import Pair
+
+    pair = Pair("p->d#1", None, 1, None, None)
+    pair.check_open()
+    pair.aborted = True
+    with pytest.raises(ConnectionError, match="p->d#1 was aborted"):
+        pair.check_open()
