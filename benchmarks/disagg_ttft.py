@@ -90,8 +90,9 @@ class Prefill:
         """Add the request and run its prefill step; returns the start wall time."""
         torch.cuda.synchronize()
         start = time.time()
-        self.engine.add_request(rid, prompt, ONE_TOKEN, kv_ticket=ticket)
-        self.engine.step()  # the whole prompt: layers stream out, then the first token
+        request = self.engine.add_request(rid, prompt, ONE_TOKEN, kv_ticket=ticket)
+        while not request.output_token_ids:  # the prompt's step, then its token read back
+            self.engine.step()  # (two calls with async scheduling)
         return start
 
     def drain(self) -> None:

@@ -16,6 +16,11 @@ Disaggregated (the KV of the prompt moves from a prefill to a decode worker)::
 ``num_computed_tokens`` counts tokens whose KV is in the cache. A step computes
 tokens ``num_computed_tokens .. num_tokens - 1`` (or a chunk of them); when a
 step reaches ``num_tokens`` the request samples its next token.
+
+With async scheduling a sampled token may still be on the device while the
+next step is scheduled: it counts in ``num_tokens`` as a pending token, reads
+as ``PLACEHOLDER`` in ``token_ids_between`` (the model runner feeds the real id
+on the device) and joins ``output_token_ids`` once the host has it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.scheduler.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # the id of a sampled token the host has not read back yet
 
 
 class RequestStatus(enum.Enum):
@@ -53,7 +60,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # known on the host
+    num_pending_tokens: int = 0  # sampled on the device, not read back yet (at most 1)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
@@ -70,18 +78,27 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, pending ones included."""
+        return len(self.prompt_token_ids) + self.num_output_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without building the whole list (a decode reads one)."""
+        """``all_token_ids[start:end]`` without building the whole list (a decode reads one);
+        pending tokens read as ``PLACEHOLDER``."""
         n = len(self.prompt_token_ids)
         if start >= n:
-            return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+            ids = self.output_token_ids[start - n : end - n]
+        else:
+            ids = self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
+        missing = min(end, self.num_tokens) - max(start, n + len(self.output_token_ids))
+        return ids + [PLACEHOLDER] * missing if missing > 0 else ids
 
     @property
     def is_finished(self) -> bool:

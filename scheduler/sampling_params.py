@@ -70,3 +70,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this, logits / temperature overflows; such requests want greedy anyway.
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling reads the generated token ids on the host (penalties, bad
+        words), so the previous step's token must be read back first."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.bad_words
+        )

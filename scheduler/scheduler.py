@@ -12,9 +12,12 @@ decode is one token, a prefill chunk is many, and one step can mix both. A step:
    while budget and ``max_num_seqs`` allow, each starting from its prefix-cache
    hit. The first one that does not fit stops admission.
 
-The batch is the running requests first, then the newly admitted ones. After the
-model ran, ``update_from_output`` advances ``num_computed_tokens``, caches the
-blocks that became full, and appends the sampled tokens. A request samples when
+The batch is the running requests first, then the newly admitted ones. Once the
+step is queued, ``advance`` moves ``num_computed_tokens`` past it and counts a
+pending token for each request that samples; once the tokens are on the host,
+``resolve`` appends them and caches the blocks that became full
+(``update_from_output`` does both, for a step that already ran). With async
+scheduling the next step is scheduled in between, while the device computes. A request samples when
 its scheduled tokens reach its end (``will_sample``); the model runner uses the
 same rule to pick the rows that become logits.
 
@@ -62,6 +65,14 @@ class SchedulerOutput:
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)
         self.num_scheduled_tokens.append(num_tokens)
+
+    def without_finished(self) -> SchedulerOutput:
+        """The batch less the requests that finished since it was scheduled."""
+        out = SchedulerOutput(preempted=self.preempted)
+        for request, n in zip(self.requests, self.num_scheduled_tokens):
+            if not request.is_finished:
+                out.add(request, n)
+        return out
 
 
 class Scheduler:
@@ -212,7 +223,8 @@ class Scheduler:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(remaining, budget)
-            if n == 0 or (not self.config.enable_chunked_prefill and n < remaining):
+            whole = self.config.enable_chunked_prefill or n == remaining
+            if n == 0 or not whole or self._ends_at_pending_token(req):
                 i += 1
                 continue
             while not self.block_manager.allocate_slots(req, n):
@@ -225,6 +237,14 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _ends_at_pending_token(self, req: Request) -> bool:
+        """The token still on the device is the request's last (max_tokens or the
+        context length), so it needs no further step."""
+        return req.num_pending_tokens > 0 and (
+            req.num_output_tokens >= req.sampling_params.max_tokens
+            or req.num_tokens >= self.max_model_len
+        )
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -256,11 +276,30 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Advance each scheduled request by its tokens and append its sampled token."""
+        self.advance(output)
+        self.resolve(output, sampled)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """The step is queued on the device: move each request past its scheduled
+        tokens; one that samples gets a pending token, so the next ``schedule`` can
+        already give it its decode step (async scheduling)."""
         for req, n in zip(output.requests, output.num_scheduled_tokens):
             if req.is_finished:  # aborted after it was scheduled; its KV is gone
                 continue
+            if will_sample(req, n):
+                req.num_pending_tokens += 1
             req.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(req, req.num_computed_tokens)
+
+    def resolve(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """The step's tokens reached the host: they replace the pending tokens, and
+        the blocks that are full of known tokens join the prefix cache."""
+        for req in output.requests:
+            if req.is_finished:
+                continue
             token = sampled.get(req.request_id)
             if token is not None:
+                req.num_pending_tokens -= 1
                 req.output_token_ids.append(token)
+            if req.status in (RequestStatus.RUNNING, RequestStatus.SENDING_KV):
+                known = req.num_prompt_tokens + len(req.output_token_ids)
+                self.block_manager.cache_full_blocks(req, min(req.num_computed_tokens, known))

@@ -80,6 +80,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # Schedule and prepare step i + 1 while the device computes step i (the host
+    # reads step i's tokens after queueing step i + 1). None: on for CUDA devices.
+    async_scheduling: bool | None = None
 
     def check(self) -> None:
         if self.max_num_seqs < 1:

@@ -39,10 +39,20 @@ def checkpoint(tmp_path_factory):
     return checkpoints.write_qwen3(tmp_path_factory.mktemp("qwen3"))
 
 
-@pytest.fixture
-def pair(checkpoint):
-    prefill = LLMEngine(_config(checkpoint, "prefill", block_size=16, max_num_batched_tokens=24))
-    decode = LLMEngine(_config(checkpoint, "decode", block_size=4))
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def pair(checkpoint, request):
+    """A prefill and a decode engine, both with async scheduling or both without."""
+    overlap = request.param
+    prefill = LLMEngine(
+        _config(
+            checkpoint,
+            "prefill",
+            block_size=16,
+            max_num_batched_tokens=24,
+            async_scheduling=overlap,
+        )
+    )
+    decode = LLMEngine(_config(checkpoint, "decode", block_size=4, async_scheduling=overlap))
     yield prefill, decode
     prefill.close()
     decode.close()

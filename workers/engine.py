@@ -35,7 +35,7 @@ from splitserve.workers.kv_transfer.base import KVTransport, TransferEvent
 from splitserve.workers.kv_transfer.registry import make_kv_transport
 from splitserve.workers.kv_transfer.ticket import TransferDone, TransferTicket
 from splitserve.workers.model_loader import load_checkpoint, load_hf_config, load_model
-from splitserve.workers.model_runner import GraphLimits, ModelRunner
+from splitserve.workers.model_runner import GraphLimits, LaunchedStep, ModelRunner
 from splitserve.workers.output_processor import OutputProcessor
 from splitserve.workers.outputs import RequestOutput
 from splitserve.workers.sampler import Sampler, TokenLogprobs
@@ -112,6 +112,10 @@ class LLMEngine:
             self.kv_transport = make_kv_transport(
                 kt.transport, self.kv_cache, kt.host, kt.timeout_s, **transport_options
             )
+        self.async_scheduling = config.scheduler.async_scheduling
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device.type == "cuda"
+        self._in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
         self.runner.capture_graphs()
         logger.info(
             "%s engine ready: %s on %s, %s attention, %d KV blocks of %d tokens, "
@@ -180,11 +184,11 @@ class LLMEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def has_runnable_requests(self) -> bool:
         """Work for ``step`` right now; False while every request waits on a transfer."""
-        return self.scheduler.has_runnable_requests()
+        return self.scheduler.has_runnable_requests() or self._in_flight is not None
 
     # -- weights -------------------------------------------------------------
 
@@ -254,25 +258,70 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and queue the next step, then read back the step before it.
+
+        With async scheduling the device computes step i + 1 while the host
+        turns step i's tokens into outputs; without it, each step is read back
+        before ``step`` returns.
+        """
         start = time.perf_counter()
         outputs = self._handle_transfers()
         if any(o.new_token_ids for o in outputs):
             return outputs  # first tokens that arrived go out now, not after a forward
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
-        if batch.is_empty:
-            return outputs
+        if self._in_flight is not None and not self._can_overlap(batch):
+            outputs += self._read_back(self._in_flight)
+            self._in_flight = None
+            batch = batch.without_finished()
+        launched = self._launch(batch) if not batch.is_empty else None
+        if self._in_flight is not None:
+            outputs += self._read_back(self._in_flight)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._read_back(launched)
+            self._in_flight = None
+        if launched is not None:
+            self.last_step = StepStats(
+                launched.num_prefill_tokens,
+                launched.num_decode_tokens,
+                time.perf_counter() - start,
+            )
+        return outputs
+
+    def _can_overlap(self, batch: SchedulerOutput) -> bool:
+        """Whether ``batch`` may be queued before the step in flight is read back: not
+        when it is empty (nothing to overlap) or samples with penalties or bad words,
+        which read the request's tokens on the host."""
+        return (
+            self.async_scheduling
+            and not batch.is_empty
+            and not any(r.sampling_params.reads_output_tokens for r in batch.requests)
+        )
+
+    def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         sending, send_errors = self._start_sends(batch)
         hook = self._layer_sender(sending) if sending else None
-        result = self.runner.execute(batch, hook)
+        launched = self.runner.launch(batch, hook, previous=self._in_flight)
+        launched.extra["send_errors"] = send_errors
+        self.scheduler.advance(batch)
+        for request in launched.sampling:
+            if request.kv_ticket is not None:  # the prompt is done: hand its KV off
+                self.scheduler.hold_for_transfer(request)
+        return launched
+
+    def _read_back(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and turn them into outputs."""
+        result = launched.result()
         tokens = {rid: tok for rid, (tok, _) in result.sampled.items()}
-        self.scheduler.update_from_output(batch, tokens)
-        for request in batch.requests:
-            if request.request_id not in result.sampled:
+        self.scheduler.resolve(launched.batch, tokens)
+        outputs = []
+        for request in launched.sampling:
+            if request.is_finished:  # aborted, or stopped by the step before
                 continue
             token, logprobs = result.sampled[request.request_id]
             if request.kv_ticket is not None:
-                out = self._hand_off(request, token, logprobs, send_errors)
+                out = self._hand_off(request, token, logprobs, launched.extra["send_errors"])
                 if out is not None:
                     outputs.append(out)
                 continue
@@ -280,9 +329,6 @@ class LLMEngine:
             if status is not None:
                 self._finish(request, status)
             outputs.append(self.output_processor.make_output(request))
-        self.last_step = StepStats(
-            result.num_prefill_tokens, result.num_decode_tokens, time.perf_counter() - start
-        )
         return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -320,13 +366,13 @@ class LLMEngine:
         logprobs: TokenLogprobs | None,
         send_errors: dict[str, str],
     ) -> RequestOutput | None:
-        """Prefill side, first token sampled: finish the transfer, hold the blocks."""
+        """Prefill side, first token read back: finish the transfer (the request holds
+        its blocks since its step was launched)."""
         rid = request.request_id
         if rid in send_errors:
             return self._fail(request, send_errors[rid])
         lp, top = (logprobs.logprob, logprobs.top) if logprobs is not None else (None, [])
         self.kv_transport.finish_send(rid, TransferDone(rid, token, lp, top))
-        self.scheduler.hold_for_transfer(request)
         return None
 
     def _handle_transfers(self) -> list[RequestOutput]:

@@ -58,7 +58,9 @@ def build_forward_batch(
         np.asarray(seq_lens, dtype=np.int64),
         tables.reshape(-1),
     ]
-    packed = torch.from_numpy(np.concatenate(fields)).to(device)
+    # Not blocking: the device may still run the previous step (async scheduling); the
+    # driver stages pageable memory before the call returns.
+    packed = torch.from_numpy(np.concatenate(fields)).to(device, non_blocking=True)
     ids, pos, slot_mapping, logits, query_start_loc, seq_lens_t, flat_tables = packed.split(
         [len(f) for f in fields]
     )
@@ -80,6 +82,13 @@ def build_forward_batch(
     if plan:
         attn_backend.plan(fb)
     return fb
+
+
+def to_device(values: list, device: torch.device | str, dtype=None) -> torch.Tensor:
+    """A host list as a device tensor, without waiting for the device's queued work
+    (``torch.tensor(values, device=...)`` would wait: async scheduling queues the
+    next step while the device still runs the previous one)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _token_ids(requests: list[StepRequest]) -> Iterator[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.scheduler.request import Request
+from splitserve.workers.input_batch import to_device
 
 
 def _token_counts(seqs: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -55,7 +56,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
 
 def _ban(logits: torch.Tensor, rows: list[int], cols: list[int]) -> None:
     if rows:
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        index = (to_device(rows, logits.device), to_device(cols, logits.device))
         logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
 
 
@@ -64,7 +65,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     rows, cols = [], []
     for i, r in enumerate(requests):
         p = r.sampling_params
-        if len(r.output_token_ids) < p.min_tokens:
+        if r.num_output_tokens < p.min_tokens:  # pending tokens count
             banned = {t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]}
             rows += [i] * len(banned)
             cols += banned

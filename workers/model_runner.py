@@ -1,5 +1,9 @@
 """Runs one scheduled step on the device: prepare inputs, forward, logits, sample.
 
+``launch`` queues a step and returns at once (``LaunchedStep.result`` waits for
+its tokens), so the engine can schedule and prepare the next step while the
+device computes; ``execute`` does both.
+
 On a GPU the forward replays CUDA graphs where the step's shape allows (see
 ``workers/cuda_graphs``); every other step runs eagerly. The runner also owns
 the weights' lifecycle: ``clear_parameters`` drops every graph and frees the
@@ -10,22 +14,22 @@ again at the next step.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from splitserve.config import CudaGraphConfig
-from splitserve.scheduler.request import Request
+from splitserve.scheduler.request import PLACEHOLDER, Request
 from splitserve.scheduler.scheduler import SchedulerOutput, will_sample
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.cuda_graphs.decode_runner import DecodeGraphRunner
 from splitserve.workers.cuda_graphs.owner import GraphOwner
 from splitserve.workers.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
 from splitserve.workers.forward_batch import ForwardBatch
-from splitserve.workers.input_batch import StepRequest, build_forward_batch
+from splitserve.workers.input_batch import StepRequest, build_forward_batch, to_device
 from splitserve.workers.kv_cache import KVCache
-from splitserve.workers.sampler import Sampler, TokenLogprobs
+from splitserve.workers.sampler import SampledTokens, Sampler, TokenLogprobs
 
 
 @dataclass
@@ -33,6 +37,30 @@ class StepResult:
     sampled: dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
     num_prefill_tokens: int
     num_decode_tokens: int
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose tokens the host has not read yet."""
+
+    batch: SchedulerOutput
+    sampling: list[Request]  # the requests that sample, in the rows of ``tokens``
+    tokens: SampledTokens | None
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    extra: dict = field(default_factory=dict)  # the caller's bookkeeping for this step
+
+    def row_of(self, request_id: str) -> int:
+        return next(i for i, r in enumerate(self.sampling) if r.request_id == request_id)
+
+    def result(self) -> StepResult:
+        """Wait for the step's tokens on the host."""
+        sampled = {}
+        if self.tokens is not None:
+            out = self.tokens.result()
+            for r, tok, lp in zip(self.sampling, out.token_ids, out.logprobs):
+                sampled[r.request_id] = (tok, lp)
+        return StepResult(sampled, self.num_prefill_tokens, self.num_decode_tokens)
 
 
 class ModelRunner:
@@ -88,23 +116,34 @@ class ModelRunner:
         if self.graphs is not None and not self.graphs.captured:
             self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(
         self, batch: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None
     ) -> StepResult:
+        """Run one step and wait for its tokens."""
+        return self.launch(batch, on_layer_stored).result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        batch: SchedulerOutput,
+        on_layer_stored: Callable[[int], None] | None = None,
+        previous: LaunchedStep | None = None,
+    ) -> LaunchedStep:
+        """Queue one step on the device: inputs, forward, logits, sampling; wait for nothing.
+
+        A request's pending token (``PLACEHOLDER``, sampled by ``previous``, still
+        in flight) is fed from ``previous``'s tokens on the device.
+        """
         steps = [_step_request(r, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)]
         fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, self.device, plan=False)
+        _feed_pending_tokens(fb, steps, batch.requests, previous)
         fb.on_layer_stored = on_layer_stored
         hidden = self.forward(fb)
         logits = self.model.compute_logits(hidden[fb.logits_indices])
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
-        out = self.sampler(logits, sampling) if sampling else None
-        sampled = {}
-        if out is not None:
-            for r, tok, lp in zip(sampling, out.token_ids, out.logprobs):
-                sampled[r.request_id] = (tok, lp)
+        tokens = self.sampler.sample(logits, sampling) if sampling else None
         decode = fb.num_decode_tokens
-        return StepResult(sampled, fb.num_tokens - decode, decode)
+        return LaunchedStep(batch, sampling, tokens, fb.num_tokens - decode, decode)
 
     def forward(self, fb: ForwardBatch, use_graphs: bool = True) -> torch.Tensor:
         """Hidden states of the step's tokens: a graph replay where one fits, else eager."""
@@ -163,3 +202,30 @@ def _step_request(request: Request, num_tokens: int) -> StepRequest:
         block_ids=request.block_ids,
         sample=will_sample(request, num_tokens),
     )
+
+
+def _feed_pending_tokens(
+    fb: ForwardBatch,
+    steps: list[StepRequest],
+    requests: list[Request],
+    previous: LaunchedStep | None,
+) -> None:
+    """Write the in-flight tokens of the previous step into ``fb.input_ids`` on the device.
+
+    A pending token is always its request's last token, so only a step's last
+    input can be one.
+    """
+    rows, sources, end = [], [], 0
+    for step, request in zip(steps, requests):
+        end += len(step.new_token_ids)
+        if step.new_token_ids[-1] != PLACEHOLDER:
+            continue
+        if previous is None or previous.tokens is None:
+            raise RuntimeError(
+                f"request {request.request_id!r} has a pending token but no step in flight"
+            )
+        rows.append(end - 1)
+        sources.append(previous.row_of(request.request_id))
+    if rows:
+        rows_t, sources_t = (to_device(x, fb.input_ids.device) for x in (rows, sources))
+        fb.input_ids[rows_t] = previous.tokens.token_ids[sources_t]

@@ -65,7 +65,10 @@ class OutputProcessor:
             if hit is not None:
                 state.text, request.stop_reason = hit
                 return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            num_out >= params.max_tokens
+            or request.num_prompt_tokens + num_out >= self.max_model_len
+        ):
             state.text += state.detokenizer.flush()
             return RequestStatus.FINISHED_LENGTH
         return None

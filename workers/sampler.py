@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.scheduler.request import Request
+from splitserve.workers.input_batch import to_device
 from splitserve.workers.logits_processors import BadWords, apply_min_tokens, apply_penalties
 
 
@@ -39,20 +40,69 @@ def filter_logits(
     prob >= top_p) and then min-p (prob < min_p * max prob) drop. The top token stays."""
     vocab_size = logits.shape[1]
     use_k, use_p, use_min = (top_k > 0) & (top_k < vocab_size), top_p < 1.0, min_p > 0.0
-    if not (use_k.any() or use_p.any() or use_min.any()):
+    # Parameters given on the host are checked there, without waiting for the device.
+    any_k, any_p, any_min = bool(use_k.any()), bool(use_p.any()), bool(use_min.any())
+    if not (any_k or any_p or any_min):
         return logits
+    device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab_size, device=logits.device)
-    sorted_logits.masked_fill_(rank >= torch.where(use_k, top_k, vocab_size)[:, None], -torch.inf)
-    if use_p.any():
+    rank = torch.arange(vocab_size, device=device)
+    keep = torch.where(use_k, top_k, vocab_size).to(device, non_blocking=True)
+    sorted_logits.masked_fill_(rank >= keep[:, None], -torch.inf)
+    if any_p:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # exclusive cumsum; 0 at rank 0
+        top_p, use_p = (t.to(device, non_blocking=True) for t in (top_p, use_p))
         drop = (mass_before >= top_p[:, None]) & use_p[:, None]
         sorted_logits.masked_fill_(drop, -torch.inf)
-    if use_min.any():
+    if any_min:
         probs = sorted_logits.softmax(dim=-1)
+        min_p = min_p.to(device, non_blocking=True)
         sorted_logits.masked_fill_(probs < min_p[:, None] * probs[:, :1], -torch.inf)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+class SampledTokens:
+    """One step's sampled tokens and logprobs, on their way from the device to the host.
+
+    The copies are queued without waiting; ``result`` waits for them. Until then
+    the host is free to prepare the next step, which reads ``token_ids`` on the
+    device.
+    """
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        requests: list[Request],
+        logprob_rows: list[int],
+        chosen: torch.Tensor | None = None,
+        top_values: torch.Tensor | None = None,
+        top_ids: torch.Tensor | None = None,
+    ) -> None:
+        self.token_ids = token_ids  # [B] int64 on the device
+        self._requests = requests
+        self._logprob_rows = logprob_rows
+        tensors = [t for t in (token_ids, chosen, top_values, top_ids) if t is not None]
+        self._ready: torch.cuda.Event | None = None
+        if token_ids.is_cuda:
+            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._host = tensors
+
+    def result(self) -> SamplerOutput:
+        """Wait for the copies; the tokens and logprobs as host values."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_ids = self._host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
+        if self._logprob_rows:
+            chosen, top_values, top_ids = (t.tolist() for t in self._host[1:])
+            for j, i in enumerate(self._logprob_rows):
+                k = self._requests[i].sampling_params.logprobs
+                top = list(zip(top_ids[j][:k], top_values[j][:k]))
+                logprobs[i] = TokenLogprobs(token_ids[i], chosen[j], top)
+        return SamplerOutput(token_ids, logprobs)
 
 
 class Sampler:
@@ -63,31 +113,33 @@ class Sampler:
         self._request_generators: dict[str, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        return self.sample(logits, requests).result()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        """Queue the sampling of one token per row; nothing here waits for the device."""
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
         raw = logits.float()
         x = raw.clone()
         apply_penalties(x, requests)
         apply_min_tokens(x, requests)
         self.bad_words.apply(x, requests)
+        tokens = x.argmax(dim=-1)
+        rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if rows:
+            index = to_device(rows, x.device)
+            tokens[index] = self._sample(x[index], [requests[i] for i in rows])
         # A row with every token banned falls back to the unmasked argmax.
         dead = x.amax(dim=-1) == -torch.inf
-        tokens = torch.where(dead, raw.argmax(dim=-1), x.argmax(dim=-1))
-        dead_rows = dead.tolist()
-        rows = [
-            i for i, r in enumerate(requests) if not r.sampling_params.greedy and not dead_rows[i]
-        ]
-        if rows:
-            tokens[rows] = self._sample(x[rows], [requests[i] for i in rows])
-        token_ids = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(raw, token_ids, requests))
+        tokens = torch.where(dead, raw.argmax(dim=-1), tokens)
+        return self._with_logprobs(raw, tokens, requests)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
+        temperature = to_device([p.temperature for p in params], device)
+        top_k = torch.tensor([p.top_k for p in params])
+        top_p = torch.tensor([p.top_p for p in params])
+        min_p = torch.tensor([p.min_p for p in params])
         probs = filter_logits(logits / temperature[:, None], top_k, top_p, min_p).softmax(dim=-1)
 
         q = torch.empty_like(probs)
@@ -101,7 +153,7 @@ class Sampler:
             if self._generator is None or self._generator.device != device:
                 self._generator = torch.Generator(device).manual_seed(self.seed)
             noise = torch.empty(len(unseeded), probs.shape[1], device=device)
-            q[unseeded] = noise.exponential_(generator=self._generator)
+            q[to_device(unseeded, device)] = noise.exponential_(generator=self._generator)
         # q == 0 would turn a banned token's 0 / q into NaN, which argmax prefers.
         return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
@@ -119,23 +171,19 @@ class Sampler:
         return gen
 
     @staticmethod
-    def _logprobs(
-        raw: torch.Tensor, token_ids: list[int], requests: list[Request]
-    ) -> list[TokenLogprobs | None]:
-        out: list[TokenLogprobs | None] = [None] * len(requests)
+    def _with_logprobs(
+        raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]
+    ) -> SampledTokens:
+        """The sampled rows' logprobs under the raw distribution, where asked for."""
         rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if not rows:
-            return out
-        logprobs = torch.log_softmax(raw[rows], dim=-1)
-        chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=raw.device))
+            return SampledTokens(tokens, requests, rows)
+        index = to_device(rows, raw.device)
+        logprobs = torch.log_softmax(raw[index], dim=-1)
+        chosen = logprobs.gather(1, tokens[index, None])[:, 0]
         n = min(max(requests[i].sampling_params.logprobs for i in rows), raw.shape[1])
         top_values, top_ids = logprobs.topk(n, dim=-1)
-        chosen, top_values, top_ids = chosen[:, 0].tolist(), top_values.tolist(), top_ids.tolist()
-        for j, i in enumerate(rows):
-            k = requests[i].sampling_params.logprobs
-            top = list(zip(top_ids[j][:k], top_values[j][:k]))
-            out[i] = TokenLogprobs(token_ids[i], chosen[j], top)
-        return out
+        return SampledTokens(tokens, requests, rows, chosen, top_values, top_ids)
 
     def release(self, request_id: str) -> None:
         """Drop per-request state (generator, bad-word ids) once a request has ended."""

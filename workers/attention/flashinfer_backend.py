@@ -24,6 +24,7 @@ it with the padded batch, which rewrites those buffers before the replay.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -136,11 +137,28 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrapper = self._decode_wrapper()
         self.graph_wrappers: dict[int, Any] = {}  # captured size -> decode wrapper
         self._graph_buffers: dict[str, torch.Tensor] = {}
+        self._last_plan: torch.cuda.Event | None = None  # after the last plan's copies
 
     # -- eager steps -----------------------------------------------------------
 
     def plan(self, forward_batch: ForwardBatch) -> None:
-        fb = forward_batch
+        with self._planning():
+            self._plan(forward_batch)
+
+    @contextlib.contextmanager
+    def _planning(self):
+        """Around every plan: FlashInfer stages a plan in a page-locked buffer and queues
+        its copy to the device, and the wrapper's next plan overwrites that buffer. With
+        async scheduling the host plans a step ahead, so it first waits for the last
+        plan's copy (long done in a steady state: it ran at the start of the step the
+        device is on)."""
+        if self._last_plan is not None:
+            self._last_plan.synchronize()
+        yield
+        self._last_plan = torch.cuda.Event()
+        self._last_plan.record()
+
+    def _plan(self, fb: ForwardBatch) -> None:
         index = PagedKVIndex.of(fb)
         if fb.phase == Phase.DECODE:
             self._plan_decode(self.decode_wrapper, index, fb.kv_cache)
@@ -163,7 +181,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.prefill_wrapper.plan(
             index.qo_indptr,
             index.kv_indptr,
-            index.kv_indices,
+            index.kv_indices.to(self.device, non_blocking=True),
             index.kv_last_page_len,
             self.num_heads,
             self.num_kv_heads,
@@ -187,7 +205,8 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _plan_decode(self, wrapper: Any, index: PagedKVIndex, kv_cache: KVCache) -> None:
         wrapper.plan(
             index.kv_indptr,
-            index.kv_indices,
+            # On the device already: a graph wrapper copies host indices blocking.
+            index.kv_indices.to(self.device, non_blocking=True),
             index.kv_last_page_len,
             self.num_heads,
             self.num_kv_heads,
@@ -238,7 +257,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def prepare_replay(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
         wrapper = self.graph_wrappers[num_tokens]
-        self._plan_decode(wrapper, PagedKVIndex.of(forward_batch), forward_batch.kv_cache)
+        with self._planning():
+            self._plan_decode(wrapper, PagedKVIndex.of(forward_batch), forward_batch.kv_cache)
         forward_batch.attn_metadata = FlashInferMetadata(wrapper)
 
     def clear_graphs(self) -> None:

@@ -164,7 +164,9 @@ class KVTransport(ABC):
     def expect(self, ticket: TransferTicket) -> None:
         t = ticket
         slots = token_slots(t.block_ids, t.block_size, t.start_token, t.num_tokens)
-        incoming = Incoming(ticket, slots.to(self.device), time.monotonic() + self.timeout_s)
+        incoming = Incoming(
+            ticket, _to_device(slots, self.device), time.monotonic() + self.timeout_s
+        )
         with self._lock:
             self._incoming[ticket.request_id] = incoming
 
@@ -182,7 +184,9 @@ class KVTransport(ABC):
             src_block_ids, self.kv_cache.block_size, ticket.start_token, ticket.num_tokens
         )
         peer = self._peer(ticket)
-        outgoing = Outgoing(ticket, slots.to(self.device), peer, time.monotonic() + self.timeout_s)
+        outgoing = Outgoing(
+            ticket, _to_device(slots, self.device), peer, time.monotonic() + self.timeout_s
+        )
         with self._lock:
             self._outgoing[ticket.request_id] = outgoing
 
@@ -455,3 +459,9 @@ class KVTransport(ABC):
         self._events.append(event)
         if self.notify is not None:
             self.notify()
+
+
+def _to_device(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Queued behind the compute stream's work without waiting for it (the engine may
+    have the next step in flight); the driver stages the host memory at once."""
+    return slots.to(device, non_blocking=True)

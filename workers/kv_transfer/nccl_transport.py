@@ -266,6 +266,17 @@ class NcclKVTransport(KVTransport):
 
     # ---- sender ---------------------------------------------------------------
 
+    def expect(self, ticket: TransferTicket) -> None:
+        """Also mark the compute stream: the scatters wait for what is queued there now.
+
+        The ticket's blocks may have been freed by a request whose last step is still
+        queued (async scheduling); that step's writes must land before the KV.
+        """
+        super().expect(ticket)  # queues the copy of the slots, also waited for
+        blocks_free = _record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            self._incoming[ticket.request_id].extra["blocks_free"] = blocks_free
+
     def start_send(self, ticket: TransferTicket, src_block_ids: list[int]) -> None:
         """Open the transfer and announce its plan, so the receiver queues its receives now."""
         super().start_send(ticket, src_block_ids)
@@ -439,6 +450,7 @@ class NcclKVTransport(KVTransport):
             # Receive 0 first: the sender may be waiting for it; the rest of the set-up after.
             self._queue_recv(pair, recv, ring, plan, 0, layer_bytes)
             if inc is not None:
+                pair.copy_stream.wait_event(inc.extra["blocks_free"])
                 recv.live = self._live_flag(pair)  # before any scatter is queued
                 inc.dst_slots.record_stream(pair.copy_stream)
                 staging.record_stream(pair.copy_stream)

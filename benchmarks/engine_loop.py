@@ -1,0 +1,177 @@
+"""Steps through the whole engine loop, async scheduling on against off, vs the roofline.
+
+    python benchmarks/engine_loop.py [--steps N] [--json PATH]
+
+The Qwen3-8B-shaped model of ``model_step.py`` (random bf16 weights, one GPU)
+serves real requests through ``LLMEngine.step``: scheduling, inputs, the graph
+replay, sampling, stop checks and detokenization, each step's outputs on the
+host. Measured, with the same engine, with async scheduling (step i + 1 is
+queued before step i's tokens are read back) and without:
+
+- decode at batch 1, 8 and 64 from 1k tokens of context: wall time per step over
+  ``--steps`` steps, against the memory floor ``(weight bytes + KV bytes at the
+  steps' mean context) / copy bandwidth``;
+- back-to-back 4096-token prompts (one a step, one token each): wall time per
+  prompt, against the compute floor ``FLOPs / GEMM rate``.
+
+"host ms" is the time ``step()`` itself takes: with async scheduling the host
+work it measures overlaps the device's previous step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_step import CONTEXT, DECODE_BATCHES, MODEL, PREFILL_TOKENS, model_shape  # noqa: E402
+from roofline import (  # noqa: E402
+    command_line,
+    copy_bandwidth_gbps,
+    device_slug,
+    environment,
+    gemm_tflops,
+    print_table,
+    write_report,
+)
+
+from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from splitserve.scheduler.sampling_params import SamplingParams  # noqa: E402
+from splitserve.workers.engine import LLMEngine  # noqa: E402
+
+PREFILL_PROMPTS = 6
+
+
+class LoopBench:
+    def __init__(self, engine: LLMEngine, seed: int = 0):
+        self.engine = engine
+        self.gen = torch.Generator().manual_seed(seed)
+        self._ids = 0
+
+    def add(self, num_prompt_tokens: int, max_tokens: int) -> str:
+        vocab = self.engine.hf_config.vocab_size
+        prompt = torch.randint(1, vocab, (num_prompt_tokens,), generator=self.gen).tolist()
+        rid = f"r{self._ids}"
+        self._ids += 1
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+    def drain(self) -> None:
+        for rid in list(self.engine.scheduler.requests):
+            self.engine.abort_request(rid)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def run_steps(self, n: int) -> tuple[float, float]:
+        """Wall and host milliseconds per step over ``n`` steps."""
+        host = 0.0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            self.engine.step()
+            host += self.engine.last_step.seconds
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / n, host * 1e3 / n
+
+    def decode(self, batch: int, steps: int) -> tuple[float, float]:
+        """Per-step ms of ``steps`` decode steps of ``batch`` requests from CONTEXT tokens."""
+        for _ in range(batch):
+            self.add(CONTEXT, max_tokens=steps + 8)
+        while any(not r.output_token_ids for r in self.engine.scheduler.requests.values()):
+            self.engine.step()  # the prompts, then their first tokens
+        self.run_steps(3)  # warm-up
+        wall, host = self.run_steps(steps)
+        self.drain()
+        return wall, host
+
+    def prefill(self, prompts: int) -> tuple[float, float]:
+        """Per-prompt ms of ``prompts`` back-to-back PREFILL_TOKENS-token prompts."""
+        for _ in range(2):  # warm-up
+            self.add(PREFILL_TOKENS, max_tokens=1)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        for _ in range(prompts):
+            self.add(PREFILL_TOKENS, max_tokens=1)
+        host, steps = 0.0, 0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+            host += self.engine.last_step.seconds
+            steps += 1
+        wall = (time.perf_counter() - start) * 1e3 / prompts
+        return wall, host * 1e3 / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch")
+    parser.add_argument("--json", help="report path (default docs/perf/engine_loop_<gpu>.json)")
+    parser.add_argument("--kv-cache-gb", type=float, default=24.0)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth_gbps(device)
+    gemm = gemm_tflops(device)
+    print(f"copy bandwidth {bandwidth:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
+    engine = LLMEngine(
+        EngineConfig(
+            model=MODEL,
+            dtype="bfloat16",
+            device="cuda",
+            load_format="dummy",
+            cache=CacheConfig(kv_cache_memory_gb=args.kv_cache_gb, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(
+                max_num_seqs=64, max_num_batched_tokens=PREFILL_TOKENS, max_model_len=8192
+            ),
+        )
+    )
+    shape = model_shape(engine)
+    bench = LoopBench(engine)
+    rows = []
+    mean_context = CONTEXT + 1 + args.steps / 2
+    for batch in DECODE_BATCHES:
+        floor = (shape.weight_bytes + shape.kv_bytes(int(batch * mean_context))) / bandwidth / 1e6
+        measure = lambda b=batch: bench.decode(b, args.steps)  # noqa: E731
+        rows.append(_row(engine, f"decode b{batch}", floor, measure))
+    floor = shape.prefill_flops(PREFILL_TOKENS) / gemm / 1e9
+    measure = lambda: bench.prefill(PREFILL_PROMPTS)  # noqa: E731
+    rows.append(_row(engine, f"prefill {PREFILL_TOKENS}", floor, measure))
+    print("\nEngine loop: ms per step (prefill: per prompt), async scheduling off / on")
+    columns = ["step", "floor ms", "sync ms", "sync / floor", "sync host ms"]
+    columns += ["async ms", "async / floor", "async host ms", "async speed-up"]
+    keys = ["step", "floor_ms", "sync_ms", "sync_ratio", "sync_host_ms"]
+    keys += ["async_ms", "async_ratio", "async_host_ms", "speedup"]
+    print_table(columns, [[r[k] for k in keys] for r in rows])
+    report = {
+        **environment(command_line("benchmarks/engine_loop.py")),
+        "model": MODEL,
+        "copy_bandwidth_gbps": round(bandwidth, 1),
+        "gemm_tflops": round(gemm, 1),
+        "decode_steps": args.steps,
+        "rows": rows,
+    }
+    path = Path(args.json or f"docs/perf/engine_loop_{device_slug(report['device'])}.json")
+    write_report(path, report)
+    print(f"\nwrote {path}")
+
+
+def _row(engine: LLMEngine, name: str, floor_ms: float, measure) -> dict:
+    """``measure()`` with async scheduling off, then on (the same engine, idle between)."""
+    row = {"step": name, "floor_ms": round(floor_ms, 3)}
+    for mode in ("sync", "async"):
+        engine.async_scheduling = mode == "async"
+        wall, host = measure()
+        row[f"{mode}_ms"] = round(wall, 3)
+        row[f"{mode}_ratio"] = round(wall / floor_ms, 3)
+        row[f"{mode}_host_ms"] = round(host, 3)
+    row["speedup"] = round(row["sync_ms"] / row["async_ms"], 3)
+    return row
+
+
+if __name__ == "__main__":
+    main()
