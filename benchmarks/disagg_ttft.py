@@ -7,7 +7,10 @@ while later layers compute. Disaggregated TTFT runs from adding the request
 on the prefill side to the decode engine having the KV and the first token.
 Median of several fresh prompts (prefix caching off), after warm-up.
 
-    python benchmarks/disagg_ttft.py --model qwen3-8b-shape --prompt-len 4096 --json
+    python benchmarks/disagg_ttft.py --model qwen3-8b-shape --prompt-len 4096 --json [--sync]
+
+Every engine runs with async scheduling unless ``--sync`` (then the report is
+``disagg_ttft_sync.json``).
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ def _config(args, role: str) -> EngineConfig:
             block_size=16, kv_cache_memory_gb=args.kv_gb, enable_prefix_caching=False
         ),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.prompt_len + 16, max_model_len=args.prompt_len + 64
+            max_num_batched_tokens=args.prompt_len + 16,
+            max_model_len=args.prompt_len + 64,
+            async_scheduling=not args.sync,
         ),
         kv_transfer=KVTransferConfig(transport="nccl", timeout_s=120),
     )
@@ -108,6 +113,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--kv-gb", type=float, default=8.0)
     p.add_argument("--json", action="store_true", help="write docs/perf/disagg_ttft.json")
+    p.add_argument(
+        "--sync", action="store_true", help="async scheduling off in every engine (on by default)"
+    )
     args = p.parse_args()
     ray.init(log_to_driver=True)
     decode = ray.remote(num_gpus=1, max_concurrency=4)(Decode).remote(args)  # join runs beside
@@ -133,12 +141,14 @@ def main() -> None:
         "overhead": d / a - 1,
         "samples_alone_ms": [x * 1e3 for x in alone],
         "samples_disaggregated_ms": [x * 1e3 for x in disagg],
+        "async_scheduling": not args.sync,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "?",
     }
     print(f"{'prompt tokens':>14} {'alone ms':>10} {'disagg ms':>10} {'overhead':>9}")
     print(f"{args.prompt_len:>14} {a * 1e3:>10.2f} {d * 1e3:>10.2f} {100 * (d / a - 1):>8.2f}%")
     if args.json:
-        out = Path(__file__).resolve().parent.parent / "docs" / "perf" / "disagg_ttft.json"
+        name = "disagg_ttft_sync.json" if args.sync else "disagg_ttft.json"
+        out = Path(__file__).resolve().parent.parent / "docs" / "perf" / name
         out.write_text(json.dumps(rows, indent=2) + "\n")
 
 

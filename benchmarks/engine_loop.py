@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gaps import gpu_gaps, print_gaps  # noqa: E402
 from model_step import CONTEXT, DECODE_BATCHES, MODEL, PREFILL_TOKENS, model_shape  # noqa: E402
 from roofline import (  # noqa: E402
     command_line,
@@ -113,6 +114,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch")
     parser.add_argument("--json", help="report path (default docs/perf/engine_loop_<gpu>.json)")
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="first print where the GPU waits in async decode (b1, b64) and prefill loops",
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth_gbps(device)
@@ -132,6 +138,8 @@ def main() -> None:
     )
     shape = model_shape(engine)
     bench = LoopBench(engine)
+    if args.profile:
+        profile_loops(bench)
     rows = []
     mean_context = CONTEXT + 1 + args.steps / 2
     for batch in DECODE_BATCHES:
@@ -148,7 +156,7 @@ def main() -> None:
     keys += ["async_ms", "async_ratio", "async_host_ms", "speedup"]
     print_table(columns, [[r[k] for k in keys] for r in rows])
     report = {
-        **environment(command_line("benchmarks/engine_loop.py")),
+        **environment(command_line("engine_loop.py")),
         "model": MODEL,
         "copy_bandwidth_gbps": round(bandwidth, 1),
         "gemm_tflops": round(gemm, 1),
@@ -158,6 +166,24 @@ def main() -> None:
     path = Path(args.json or f"docs/perf/engine_loop_{device_slug(report['device'])}.json")
     write_report(path, report)
     print(f"\nwrote {path}")
+
+
+def profile_loops(bench: LoopBench) -> None:
+    """GPU idle time and its largest gaps over a few async steps of each kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bench.engine.async_scheduling = True
+    loops = {
+        "decode b1, 8 steps": lambda: bench.decode(1, 8),
+        "decode b64, 8 steps": lambda: bench.decode(64, 8),
+        "prefill, 3 prompts": lambda: bench.prefill(3),
+    }
+    for title, loop in loops.items():
+        loop()  # warm
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            loop()
+        print(f"\nasync engine loop, {title} (warm-up and set-up steps included)")
+        print_gaps(gpu_gaps(prof, top=12))
 
 
 def _row(engine: LLMEngine, name: str, floor_ms: float, measure) -> dict:

@@ -93,6 +93,11 @@ class SchedulerConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"invalid max_model_len={self.max_model_len}: must be >= 1")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(
+                f"invalid async_scheduling={self.async_scheduling!r}: must be true, false or "
+                "null (on for CUDA devices)"
+            )
 
 
 @dataclass

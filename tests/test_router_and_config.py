@@ -83,6 +83,7 @@ def test_shipped_configs_load():
         ({"pools": {"decode": {"max_queued_requests": 0}}}, "pools.decode.max_queued_requests=0"),
         ({"pools": {"prefill": {"max_ongoing_requests": 0}}}, "max_ongoing_requests=0"),
         ({"hosts": "x"}, "unknown config key 'hosts'"),
+        ({"engine": {"scheduler": {"async_scheduling": "yes"}}}, "async_scheduling='yes'"),
     ],
 )
 def test_bad_configs_name_the_key(values, message):
