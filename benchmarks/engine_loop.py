@@ -29,7 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_gaps import gpu_gaps, print_gaps  # noqa: E402
-from model_step import CONTEXT, DECODE_BATCHES, MODEL, PREFILL_TOKENS, model_shape  # noqa: E402
+from model_step import (  # noqa: E402
+    CONTEXT,
+    DECODE_BATCHES,
+    MODEL,
+    PREFILL_TOKENS,
+    bench_engine,
+    model_shape,
+)
 from roofline import (  # noqa: E402
     command_line,
     copy_bandwidth_gbps,
@@ -40,7 +47,6 @@ from roofline import (  # noqa: E402
     write_report,
 )
 
-from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from splitserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from splitserve.workers.engine import LLMEngine  # noqa: E402
 
@@ -124,18 +130,7 @@ def main() -> None:
     bandwidth = copy_bandwidth_gbps(device)
     gemm = gemm_tflops(device)
     print(f"copy bandwidth {bandwidth:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
-    engine = LLMEngine(
-        EngineConfig(
-            model=MODEL,
-            dtype="bfloat16",
-            device="cuda",
-            load_format="dummy",
-            cache=CacheConfig(kv_cache_memory_gb=args.kv_cache_gb, enable_prefix_caching=False),
-            scheduler=SchedulerConfig(
-                max_num_seqs=64, max_num_batched_tokens=PREFILL_TOKENS, max_model_len=8192
-            ),
-        )
-    )
+    engine = bench_engine(args.kv_cache_gb)
     shape = model_shape(engine)
     bench = LoopBench(engine)
     if args.profile:

@@ -94,6 +94,24 @@ def model_shape(engine: LLMEngine) -> Shape:
     )
 
 
+def bench_engine(kv_cache_gb: float) -> LLMEngine:
+    """The benchmarks' engine: MODEL with random bf16 weights on the GPU, prefix caching
+    off, up to 64 requests and PREFILL_TOKENS tokens a step."""
+    return LLMEngine(
+        EngineConfig(
+            model=MODEL,
+            dtype="bfloat16",
+            device="cuda",
+            load_format="dummy",
+            cache=CacheConfig(kv_cache_memory_gb=kv_cache_gb, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(
+                max_num_seqs=64, max_num_batched_tokens=PREFILL_TOKENS, max_model_len=8192
+            ),
+            cuda_graph=CudaGraphConfig(prefill_sizes=list(PIECEWISE_SIZES)),
+        )
+    )
+
+
 class StepBench:
     """Times hand-made steps through the engine's model runner over its KV cache."""
 
@@ -209,19 +227,7 @@ def main() -> None:
     gemm = gemm_tflops(device)
     print(f"copy bandwidth {bandwidth:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
 
-    engine = LLMEngine(
-        EngineConfig(
-            model=MODEL,
-            dtype="bfloat16",
-            device="cuda",
-            load_format="dummy",
-            cache=CacheConfig(kv_cache_memory_gb=args.kv_cache_gb, enable_prefix_caching=False),
-            scheduler=SchedulerConfig(
-                max_num_seqs=64, max_num_batched_tokens=PREFILL_TOKENS, max_model_len=8192
-            ),
-            cuda_graph=CudaGraphConfig(prefill_sizes=list(PIECEWISE_SIZES)),
-        )
-    )
+    engine = bench_engine(args.kv_cache_gb)
     shape = model_shape(engine)
     bench = StepBench(engine)
     report = {

@@ -101,6 +101,29 @@ class Server:
         raise AssertionError("the server did not become healthy")
 
 
+def one_prefill_one_decode_config(
+    model_dir: Path, num_kv_blocks: int, max_model_len: int, **scheduler
+) -> dict:
+    """A serve config of one prefill and one decode worker on CPU, KV over the CPU
+    transport; prompts under 24 tokens stay on the decode worker."""
+    return {
+        "engine": {
+            "model": str(model_dir),
+            "device": "cpu",
+            "cache": {"block_size": 16, "num_kv_blocks": num_kv_blocks},
+            "scheduler": {
+                "max_model_len": max_model_len,
+                "max_num_batched_tokens": 512,
+                **scheduler,
+            },
+            "kv_transfer": {"transport": "cpu", "timeout_s": 20},
+        },
+        "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+        "router": {"local_prompt_tokens": 24},
+        "served_model_name": "tiny",
+    }
+
+
 def mixed_pool_config(
     model_dir: Path, mixed_pool: dict, num_kv_blocks: int, max_model_len: int
 ) -> dict:

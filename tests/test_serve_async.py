@@ -17,7 +17,7 @@ from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.scheduler.sampling_params import SamplingParams
 from splitserve.workers.engine import LLMEngine
 from tests import checkpoints
-from tests.serve_harness import serving
+from tests.serve_harness import one_prefill_one_decode_config, serving
 from tests.test_serve import LONG_PROMPT, SHORT_PROMPT, _completion, _open_stream
 
 pytestmark = pytest.mark.slow
@@ -32,19 +32,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    scheduler = {"max_model_len": MAX_MODEL_LEN, "max_num_batched_tokens": 512}
-    config = {
-        "engine": {
-            "model": str(model_dir),
-            "device": "cpu",
-            "cache": {"block_size": 16, "num_kv_blocks": NUM_BLOCKS},
-            "scheduler": {**scheduler, "async_scheduling": True},
-            "kv_transfer": {"transport": "cpu", "timeout_s": 20},
-        },
-        "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
-        "router": {"local_prompt_tokens": 24},
-        "served_model_name": "tiny",
-    }
+    config = one_prefill_one_decode_config(
+        model_dir, NUM_BLOCKS, MAX_MODEL_LEN, async_scheduling=True
+    )
     with serving(config, tmp_path_factory.mktemp("serve-async")) as server:
         yield server
 
