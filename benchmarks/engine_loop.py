@@ -1,6 +1,6 @@
 """Steps through the whole engine loop, async scheduling on against off, vs the roofline.
 
-    python benchmarks/engine_loop.py [--steps N] [--json PATH]
+    python benchmarks/engine_loop.py [--steps N] [--json PATH] [--profile] [--sustained N]
 
 The Qwen3-8B-shaped model of ``model_step.py`` (random bf16 weights, one GPU)
 serves real requests through ``LLMEngine.step``: scheduling, inputs, the graph
@@ -15,12 +15,15 @@ queued before step i's tokens are read back) and without:
   prompt, against the compute floor ``FLOPs / GEMM rate``.
 
 "host ms" is the time ``step()`` itself takes: with async scheduling the host
-work it measures overlaps the device's previous step.
+work it measures overlaps the device's previous step. ``--sustained N`` instead
+times N back-to-back prefill forwards one by one, with the GPU's clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +37,7 @@ from model_step import (  # noqa: E402
     DECODE_BATCHES,
     MODEL,
     PREFILL_TOKENS,
+    StepBench,
     bench_engine,
     model_shape,
 )
@@ -49,6 +53,7 @@ from roofline import (  # noqa: E402
 
 from splitserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from splitserve.workers.engine import LLMEngine  # noqa: E402
+from splitserve.workers.input_batch import build_forward_batch  # noqa: E402
 
 PREFILL_PROMPTS = 6
 
@@ -118,8 +123,19 @@ class LoopBench:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch")
-    parser.add_argument("--json", help="report path (default docs/perf/engine_loop_<gpu>.json)")
+    parser.add_argument(
+        "--json",
+        help="report path (default docs/perf/engine_loop_<gpu>.json; with --sustained "
+        "docs/perf/prefill_sustained_<gpu>.json)",
+    )
     parser.add_argument("--kv-cache-gb", type=float, default=24.0)
+    parser.add_argument(
+        "--sustained",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only time N back-to-back prefill forwards, each on its own, after 2 s idle",
+    )
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -133,6 +149,17 @@ def main() -> None:
     engine = bench_engine(args.kv_cache_gb)
     shape = model_shape(engine)
     bench = LoopBench(engine)
+    if args.sustained:
+        flops = shape.prefill_flops(PREFILL_TOKENS)
+        report = {
+            **environment(command_line("engine_loop.py")),
+            "model": MODEL,
+            "sustained_prefill": sustained_prefill(engine, args.sustained, flops, gemm),
+        }
+        path = args.json or f"docs/perf/prefill_sustained_{device_slug(report['device'])}.json"
+        write_report(path, report)
+        print(f"\nwrote {path}")
+        return
     if args.profile:
         profile_loops(bench)
     rows = []
@@ -161,6 +188,63 @@ def main() -> None:
     path = Path(args.json or f"docs/perf/engine_loop_{device_slug(report['device'])}.json")
     write_report(path, report)
     print(f"\nwrote {path}")
+
+
+def _clocks() -> str:
+    """The GPU's SM clock and power draw now (nvidia-smi), or '' without it."""
+    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader", "-i"]
+    try:
+        index = torch.cuda.current_device()
+        out = subprocess.run([*query, str(index)], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def sustained_prefill(engine: LLMEngine, n: int, flops: float, burst_tflops: float) -> dict:
+    """``n`` back-to-back PREFILL_TOKENS-token forwards, each timed by CUDA events, after
+    2 s idle, then the GEMM rate with the GPU as hot: each state against its own floor."""
+    steps = StepBench(engine).prefill_step(PREFILL_TOKENS)
+    runner = engine.runner
+    fb = build_forward_batch(steps, engine.kv_cache, runner.attn_backend, runner.device)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(n)
+    ]
+    with torch.inference_mode():
+        runner.model(fb.input_ids, fb.positions, fb)  # warm
+        torch.cuda.synchronize()
+        time.sleep(2.0)
+        idle = _clocks()
+        for start, end in events:
+            start.record()
+            runner.model(fb.input_ids, fb.positions, fb)
+            end.record()
+        load = _clocks()  # queried while the forwards run
+        torch.cuda.synchronize()
+    ms = [round(start.elapsed_time(end), 2) for start, end in events]
+    sustained_tflops = gemm_tflops(runner.device, sustain_s=2.0)
+    hot = statistics.median(ms[2:])
+    rows = [
+        ("first after 2 s idle", ms[0], burst_tflops),
+        (f"sustained (median of forwards 3-{n})", hot, sustained_tflops),
+    ]
+    print(f"\nPrefill forwards of {PREFILL_TOKENS} tokens, back to back, ms: {ms}")
+    print(f"SM clock, power: idle {idle}; under load {load}")
+    table = [
+        [name, t, round(r, 1), round(flops / r / 1e9, 2), round(t * r * 1e9 / flops, 3)]
+        for name, t, r in rows
+    ]
+    print_table(["state", "forward ms", "GEMM TFLOP/s", "floor ms", "ratio"], table)
+    return {
+        "forward_ms": ms,
+        "clocks_idle": idle,
+        "clocks_load": load,
+        "burst_gemm_tflops": round(burst_tflops, 1),
+        "sustained_gemm_tflops": round(sustained_tflops, 1),
+        "first_ratio_to_burst_floor": table[0][-1],
+        "sustained_ratio_to_sustained_floor": table[1][-1],
+    }
 
 
 def profile_loops(bench: LoopBench) -> None:

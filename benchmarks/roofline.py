@@ -19,6 +19,7 @@ import math
 import platform
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import median
@@ -73,12 +74,23 @@ def gemm_tflops(
     n: int = 8192,
     k: int = 8192,
     dtype: torch.dtype = torch.bfloat16,
+    sustain_s: float = 0.0,
 ) -> float:
-    """Measured dense GEMM rate (``torch.matmul``) in TFLOP/s: ``2 * m * n * k / time``."""
+    """Measured dense GEMM rate (``torch.matmul``) in TFLOP/s: ``2 * m * n * k / time``.
+
+    By default a burst of about 40 ms, at the clock of a GPU that was idle.
+    ``sustain_s`` first runs GEMMs that long: the rate under sustained load,
+    where the power limit lowers the clock.
+    """
     device = torch.device(device)
     with torch.cuda.device(device):
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
+        end = time.perf_counter() + sustain_s
+        while time.perf_counter() < end:
+            for _ in range(20):
+                a @ b
+            torch.cuda.synchronize(device)
         ms = time_cuda_ms(lambda: a @ b)
     return 2 * m * n * k / ms / 1e9
 
