@@ -303,7 +303,7 @@ class LLMEngine:
         sending, send_errors = self._start_sends(batch)
         hook = self._layer_sender(sending) if sending else None
         launched = self.runner.launch(batch, hook, previous=self._in_flight)
-        launched.extra["send_errors"] = send_errors
+        launched.send_errors = send_errors
         self.scheduler.advance(batch)
         for request in launched.sampling:
             if request.kv_ticket is not None:  # the prompt is done: hand its KV off
@@ -321,7 +321,7 @@ class LLMEngine:
                 continue
             token, logprobs = result.sampled[request.request_id]
             if request.kv_ticket is not None:
-                out = self._hand_off(request, token, logprobs, launched.extra["send_errors"])
+                out = self._hand_off(request, token, logprobs, launched.send_errors)
                 if out is not None:
                     outputs.append(out)
                 continue

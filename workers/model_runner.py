@@ -48,10 +48,15 @@ class LaunchedStep:
     tokens: SampledTokens | None
     num_prefill_tokens: int
     num_decode_tokens: int
-    extra: dict = field(default_factory=dict)  # the caller's bookkeeping for this step
+    # Request id -> KV transfer that could not be opened (set by the engine).
+    send_errors: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rows = {r.request_id: i for i, r in enumerate(self.sampling)}
 
     def row_of(self, request_id: str) -> int:
-        return next(i for i, r in enumerate(self.sampling) if r.request_id == request_id)
+        """The row of ``tokens`` that holds the request's sampled token."""
+        return self._rows[request_id]
 
     def result(self) -> StepResult:
         """Wait for the step's tokens on the host."""

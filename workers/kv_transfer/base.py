@@ -164,9 +164,9 @@ class KVTransport(ABC):
     def expect(self, ticket: TransferTicket) -> None:
         t = ticket
         slots = token_slots(t.block_ids, t.block_size, t.start_token, t.num_tokens)
-        incoming = Incoming(
-            ticket, _to_device(slots, self.device), time.monotonic() + self.timeout_s
-        )
+        # Not blocking: the engine may have a step queued (async scheduling).
+        slots = slots.to(self.device, non_blocking=True)
+        incoming = Incoming(ticket, slots, time.monotonic() + self.timeout_s)
         with self._lock:
             self._incoming[ticket.request_id] = incoming
 
@@ -184,9 +184,8 @@ class KVTransport(ABC):
             src_block_ids, self.kv_cache.block_size, ticket.start_token, ticket.num_tokens
         )
         peer = self._peer(ticket)
-        outgoing = Outgoing(
-            ticket, _to_device(slots, self.device), peer, time.monotonic() + self.timeout_s
-        )
+        slots = slots.to(self.device, non_blocking=True)  # as in expect
+        outgoing = Outgoing(ticket, slots, peer, time.monotonic() + self.timeout_s)
         with self._lock:
             self._outgoing[ticket.request_id] = outgoing
 
@@ -459,9 +458,3 @@ class KVTransport(ABC):
         self._events.append(event)
         if self.notify is not None:
             self.notify()
-
-
-def _to_device(slots: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Queued behind the compute stream's work without waiting for it (the engine may
-    have the next step in flight); the driver stages the host memory at once."""
-    return slots.to(device, non_blocking=True)
