@@ -8,6 +8,8 @@ finishes before the host reads it).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -106,6 +108,24 @@ def test_penalties_and_bad_words_read_the_previous_token_first(checkpoint):
         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, bad_words=["a"]),
     ]
     _same_both_ways(checkpoint, prompts, params, block_size=8, num_kv_blocks=64)
+
+
+def test_a_request_stopped_by_the_early_read_back_leaves_the_batch(checkpoint):
+    """A penalty request makes the step in flight be read back before the next launch;
+    a request that this read-back stops must not be launched again."""
+    prompts = _prompts([12, 15], seed=7)
+    probe = LLM(str(checkpoint), max_model_len=96).generate(
+        [{"prompt_token_ids": prompts[1]}],
+        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    third = probe[0].outputs[0].token_ids[2]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, presence_penalty=1.5),
+        SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[third]),
+    ]
+    out = _same_both_ways(checkpoint, prompts, params, block_size=4, num_kv_blocks=32)
+    assert out[1][1] == "stop" and len(out[1][0]) == 3
 
 
 def _engine(checkpoint, **scheduler) -> LLMEngine:
@@ -211,3 +231,44 @@ def test_gpu_graphs_and_chunks_match_sync(checkpoint, dtype):
     params.append(SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, logprobs=2))
     kwargs = dict(device="cuda", dtype=dtype, block_size=16, num_kv_blocks=64)
     _same_both_ways(checkpoint, prompts, params, max_num_batched_tokens=48, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 128], ids=["torch-attention", "flashinfer"])
+def test_gpu_step_queues_the_next_step_without_waiting_for_the_device(tmp_path, head_dim):
+    """With a long kernel queued behind the step in flight, ``step()`` reads that step
+    back and launches the next one without waiting for the kernel: no blocking copy,
+    attention plan or sampler sync is left on the launch path (greedy, top-p, logprobs,
+    decode graphs; head_dim 128 runs FlashInfer, 16 the torch backend)."""
+    checkpoint = checkpoints.write_qwen3(tmp_path, head_dim=head_dim)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(checkpoint),
+            device="cuda",
+            dtype="bfloat16",
+            cache=CacheConfig(block_size=16, num_kv_blocks=64),
+            scheduler=SchedulerConfig(max_model_len=96, async_scheduling=True),
+        )
+    )
+    prompts = _prompts([20, 9], seed=8)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    top_p = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1, ignore_eos=True)
+    engine.add_request("a", prompts[0], greedy)
+    engine.add_request("b", prompts[1], top_p)
+    for _ in range(3):  # the prompts, then decode steps
+        engine.step()
+    stream = torch.cuda.current_stream()
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time behind the step in flight
+    start = time.perf_counter()
+    outputs = engine.step()
+    elapsed = time.perf_counter() - start
+    assert engine.runner.attn_backend.name == ("flashinfer" if head_dim == 128 else "torch")
+    busy = not stream.query()
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    assert elapsed < 0.2, f"step() waited {elapsed:.3f} s for the device (total {total:.3f} s)"
+    assert busy, f"the long kernel finished within the step ({total:.3f} s): nothing was measured"
+    assert {o.request_id for o in outputs} == {"a", "b"}  # the step before was read back
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from splitserve.kernels.ops import store_kv
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
+from splitserve.workers.input_batch import to_device
 from splitserve.workers.kv_cache import NULL_BLOCK
 
 MAX_GRAPH_GATHER_BLOCKS = 1 << 14  # decode graphs gather all of max_model_len per request
@@ -77,9 +78,10 @@ class TorchAttentionBackend(AttentionBackend):
         tables = torch.full((num_tokens, width), NULL_BLOCK, dtype=torch.long)
         for row, blocks in zip(tables, fb.block_ids):
             row[: len(blocks)] = torch.tensor(blocks)
-        seq_lens = torch.tensor(fb.seq_lens, device=device)
+        # Not blocking: the device may still run the previous step (async scheduling).
+        tables, seq_lens = tables.to(device, non_blocking=True), to_device(fb.seq_lens, device)
         gather_index, key_mask = _gather_index(
-            tables.to(device), seq_lens, fb.kv_cache.block_size, self._graph_index.shape[1]
+            tables, seq_lens, fb.kv_cache.block_size, self._graph_index.shape[1]
         )
         self._graph_index[:num_tokens].copy_(gather_index)
         self._graph_mask[:num_tokens].copy_(key_mask)
