@@ -5,10 +5,11 @@
 A Qwen3-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16,
 block size 16, 36 layers of KV cache) on one GPU, random KV:
 
-- decode at batch 1, 8 and 64 with 1k tokens of context each, all 36 layers
-  replayed from one CUDA graph (as the decode graphs run them), CUDA-core
-  against tensor-core decode kernels. Floor: the KV bytes read (and q, out)
-  at the measured copy bandwidth.
+- decode at batch 1, 2, 4, 8, 16 and 64 with 1k tokens of context each, all
+  36 layers replayed from one CUDA graph (as the decode graphs run them):
+  FlashInfer's CUDA-core and tensor-core decode kernels, and the Triton
+  split-KV kernel (``kernels/triton/decode_attention.py``). Floor: the KV
+  bytes read (and q, out) at the measured copy bandwidth.
 - a 4096-token prompt with no cached prefix, ragged (the step's own K/V)
   against paged (the same K/V read back from the cache), and a 2048-token
   chunk after a 2048-token cached prefix (paged). Floor: the causal attention
@@ -49,7 +50,8 @@ from splitserve.workers.kv_cache import KVCache, KVCacheSpec  # noqa: E402
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 36, 32, 8, 128, 16
 DTYPE = torch.bfloat16
 CONTEXT = 1024
-DECODE_BATCHES = (1, 8, 64)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 64)
+DECODE_KERNELS = ("CUDA cores", "tensor cores", "Triton split-KV")
 PROMPT = 4096
 TOLERANCE = 2e-2
 
@@ -92,14 +94,20 @@ def max_rel_error(backend, setup: Setup, steps: list[StepRequest], qkv) -> float
     return float((outs[0] - outs[1]).abs().max() / outs[1].abs().max())
 
 
-def decode_row(setup: Setup, batch: int, tensor_cores: bool, bandwidth: float, repeat: int):
+def decode_row(setup: Setup, batch: int, kernels: str, bandwidth: float, repeat: int):
     backend = FlashInferAttentionBackend(
-        HEADS, KV_HEADS, DIM, DTYPE, setup.device, decode_tensor_cores=tensor_cores
+        HEADS,
+        KV_HEADS,
+        DIM,
+        DTYPE,
+        setup.device,
+        decode_tensor_cores=kernels == "tensor cores",
+        split_kv_max_batch=batch if kernels == "Triton split-KV" else 0,
     )
     steps = [setup.step(1, CONTEXT) for _ in range(batch)]
     qkv = setup.qkv(batch)
     error = max_rel_error(backend, setup, steps, qkv)
-    row = {"batch": batch, "tensor_cores": tensor_cores, "rel_error": error}
+    row = {"batch": batch, "kernels": kernels, "rel_error": error}
     if not error < TOLERANCE:
         return row
     fb = build_forward_batch(steps, setup.cache, backend, setup.device, plan=False)
@@ -154,12 +162,15 @@ def main() -> None:
     device = torch.device("cuda")
     bandwidth, gemm = copy_bandwidth_gbps(device), gemm_tflops(device)
     print(f"copy bandwidth {bandwidth:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
-    blocks = sum(DECODE_BATCHES) * (CONTEXT // BLOCK + 1) * 2 + 4 * PROMPT // BLOCK + 8
+    decode_blocks = sum(DECODE_BATCHES) * (CONTEXT // BLOCK + 1) * len(DECODE_KERNELS)
+    blocks = decode_blocks + 4 * PROMPT // BLOCK + 8
     setup = Setup(blocks, device)
     torch.manual_seed(0)
 
     decode = [
-        decode_row(setup, b, tc, bandwidth, repeat) for b in DECODE_BATCHES for tc in (False, True)
+        decode_row(setup, b, kernels, bandwidth, repeat)
+        for b in DECODE_BATCHES
+        for kernels in DECODE_KERNELS
     ]
     print(f"\nDecode, {LAYERS} layers in one CUDA graph, {CONTEXT} tokens of context each")
     print_table(
@@ -167,7 +178,7 @@ def main() -> None:
         [
             [
                 r["batch"],
-                "tensor cores" if r["tensor_cores"] else "CUDA cores",
+                r["kernels"],
                 f"{r['rel_error']:.1e}",
                 r.get("ms"),
                 r.get("floor_ms"),

@@ -137,6 +137,13 @@ def main() -> None:
         help="only time N back-to-back prefill forwards, each on its own, after 2 s idle",
     )
     parser.add_argument(
+        "--split-kv-max-batch",
+        type=int,
+        metavar="N",
+        help="decode batches up to N run the Triton split-KV attention (default: the "
+        "backend's; 0: FlashInfer for every batch)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="first print where the GPU waits in async decode (b1, b64) and prefill loops",
@@ -147,6 +154,9 @@ def main() -> None:
     gemm = gemm_tflops(device)
     print(f"copy bandwidth {bandwidth:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
     engine = bench_engine(args.kv_cache_gb)
+    if args.split_kv_max_batch is not None:
+        engine.runner.attn_backend.split_kv_max_batch = args.split_kv_max_batch
+        engine.runner.graphs.clear()  # captured again, with this attention, at the next step
     shape = model_shape(engine)
     bench = LoopBench(engine)
     if args.sustained:
@@ -183,6 +193,7 @@ def main() -> None:
         "copy_bandwidth_gbps": round(bandwidth, 1),
         "gemm_tflops": round(gemm, 1),
         "decode_steps": args.steps,
+        "split_kv_max_batch": getattr(engine.runner.attn_backend, "split_kv_max_batch", None),
         "rows": rows,
     }
     path = Path(args.json or f"docs/perf/engine_loop_{device_slug(report['device'])}.json")

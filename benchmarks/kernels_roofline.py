@@ -60,6 +60,7 @@ ELEM_TOKENS, ELEM_HIDDEN, Q_HEADS = 4096, 4096, 32
 KV_TOKENS, KV_TOKENS_QUICK = [1, 64, 512, 4096, 16384], [1, 4096]
 MOE_TOKENS, MOE_TOKENS_QUICK = [1, 16, 64, 256], [1, 256]
 KV_TARGET = 0.8
+B2B_SETS = 4  # KV stores replayed back to back, each with its own inputs and caches
 TOLERANCE = 2e-2  # bf16 against a float32 reference; the kernel tests use the same
 
 
@@ -190,9 +191,9 @@ def guarded(fields: dict, measure: Callable[[], dict]) -> dict:
         return {**fields, "error": f"{type(e).__name__}: {e}"}
 
 
-def kv_store_inputs(n: int, cache_dtype) -> tuple[torch.Tensor, ...]:
+def kv_store_inputs(n: int, cache_dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """bf16 K and V rows, NHD caches of random values, distinct random slots."""
-    gen = torch.Generator(device=DEVICE).manual_seed(n)
+    gen = torch.Generator(device=DEVICE).manual_seed(n + 7919 * seed)
     k, v = (
         torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE).to(DTYPE) for _ in "kv"
     )
@@ -211,7 +212,7 @@ def kv_store_row(n: int, cache_dtype, copy_gbps: float, timing: dict) -> dict:
     k, v, k_cache, v_cache, slots = kv_store_inputs(n, cache_dtype)
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     name = f"kv_store {_dtype_name(cache_dtype)} {n} tokens"
-    extra = {}
+    extra, b2b_scales = {}, ()
     if cache_dtype == FP8:
         scales = [torch.zeros(1, device=DEVICE) for _ in range(4)]
         ref.store_kv_fp8(k, v, k_ref, v_ref, slots, *scales[:2])
@@ -238,6 +239,7 @@ def kv_store_row(n: int, cache_dtype, copy_gbps: float, timing: dict) -> dict:
         if not torch.equal(cache_bytes(), before):
             raise KernelMismatch(f"{name}: calibrated=True wrote other bytes than the plain call")
         extra["uncalibrated_ms"] = roofline.time_cuda_ms(plain, **timing)
+        b2b_scales = scales[2:]
     else:
         ref.store_kv(k, v, k_ref, v_ref, slots)
         tri.store_kv(k, v, k_cache, v_cache, slots)
@@ -245,8 +247,26 @@ def kv_store_row(n: int, cache_dtype, copy_gbps: float, timing: dict) -> dict:
         run = lambda: tri.store_kv(k, v, k_cache, v_cache, slots)
         baseline = lambda: ref.store_kv(k, v, k_ref, v_ref, slots)
     nbytes = kv_store_bytes(n, KV_HEADS, HEAD_DIM, DTYPE, cache_dtype)
-    row = timed(nbytes, floor_ms(nbytes, copy_gbps), run, baseline, timing)
+    floor = floor_ms(nbytes, copy_gbps)
+    row = timed(nbytes, floor, run, baseline, timing)
+    row["write_flush_ms"] = roofline.time_cuda_ms(run, **timing, l2_flush_by="write")
+    row["b2b_ms"] = kv_store_back_to_back_ms(n, cache_dtype, *b2b_scales)
+    row["b2b_ratio"] = floor / row["b2b_ms"]
     return {**row, **extra, "rel_err": err}
+
+
+def kv_store_back_to_back_ms(n: int, cache_dtype, *scales: torch.Tensor) -> float:
+    """Per store, ``B2B_SETS`` stores of their own rows into their own caches replayed
+    back to back (``roofline.time_cuda_ms_back_to_back``): FP8 with set scales."""
+    from splitserve.kernels.triton import kv_store as tri
+
+    def store(k, v, k_cache, v_cache, slots):
+        if scales:
+            return lambda: tri.store_kv_fp8(k, v, k_cache, v_cache, slots, *scales, calibrated=True)
+        return lambda: tri.store_kv(k, v, k_cache, v_cache, slots)
+
+    sets = [kv_store_inputs(n, cache_dtype, seed) for seed in range(1, B2B_SETS + 1)]
+    return roofline.time_cuda_ms_back_to_back([store(*inputs) for inputs in sets])
 
 
 def moe_weights() -> tuple[torch.Tensor, ...]:
@@ -400,7 +420,8 @@ SECTIONS = {
         "slots, FP8 timed with calibrated=True (uncal. ms: the plain call, amax kernel + "
         f"store); floor: bytes at the copy bandwidth (target >= {KV_TARGET})",
         [("dtype", "dtype"), ("tokens", "tokens"), ("MB", "mb"), *FIGURES,
-         ("of copy", "ratio_to_floor"), ("uncal. ms", "uncalibrated_ms"), *BASELINE],
+         ("of copy", "ratio_to_floor"), ("b2b ms", "b2b_ms"), ("b2b of copy", "b2b_ratio"),
+         ("write-flush ms", "write_flush_ms"), ("uncal. ms", "uncalibrated_ms"), *BASELINE],
         lambda row: f"{row['dtype']} {row['tokens']}",
         "KV store: fraction of copy bandwidth",
         KV_TARGET,

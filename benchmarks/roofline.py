@@ -30,19 +30,25 @@ L2_FLUSH_BYTES = 256 << 20  # larger than any current GPU's L2 (H100 50 MB, B200
 
 
 def time_cuda_ms(
-    fn: Callable[[], object], warmup: int = 5, repeat: int = 20, flush_l2: bool = False
+    fn: Callable[[], object],
+    warmup: int = 5,
+    repeat: int = 20,
+    flush_l2: bool = False,
+    l2_flush_by: str = "read",
 ) -> float:
     """Median milliseconds of one ``fn()``, from CUDA events around each call.
 
-    ``flush_l2`` overwrites a 256 MiB buffer before each timed call (outside the
+    ``flush_l2`` empties L2 of useful lines before each timed call (outside the
     span), so ``fn`` reads its inputs from memory, as a layer's weights and KV
-    are read in a real forward, rather than from a warm L2.
+    are read in a real forward, rather than from a warm L2 (``evict_l2``).
+    ``l2_flush_by="write"`` is the older way, kept to compare: it charges the
+    span with the write-back of the flush's own dirty lines.
     """
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     for _ in range(warmup):
         fn()
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    flush = l2_flush_buffer() if flush_l2 else None
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(repeat)
@@ -50,12 +56,57 @@ def time_cuda_ms(
     torch.cuda.synchronize()
     for start, end in events:
         if flush is not None:
-            flush.fill_(1)
+            evict_l2(flush, by=l2_flush_by)
         start.record()
         fn()
         end.record()
     torch.cuda.synchronize()
     return median(start.elapsed_time(end) for start, end in events)
+
+
+def time_cuda_ms_back_to_back(
+    fns: Sequence[Callable[[], object]], warmup: int = 3, repeat: int = 20
+) -> float:
+    """Median milliseconds per call of ``fns`` replayed back to back from one CUDA graph.
+
+    The steady state of a kernel inside a forward: no host gap between launches,
+    and each call pays the write-back of the dirty lines the call before it left
+    in L2 (a lone call leaves its own for after its span). Give each ``fn`` its
+    own inputs and outputs, together larger than L2, so no call finds another's
+    lines there; L2 is emptied (``evict_l2``) before each replay.
+    """
+    if repeat < 1 or not fns:
+        raise ValueError(f"need repeat >= 1 and at least one call, got {repeat}, {len(fns)}")
+    for fn in fns:  # compiles, autotunes and allocates outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    ms = time_cuda_ms(graph.replay, warmup=warmup, repeat=repeat, flush_l2=True)
+    return ms / len(fns)
+
+
+def l2_flush_buffer() -> torch.Tensor:
+    return torch.ones(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+
+def evict_l2(buffer: torch.Tensor, by: str = "read") -> None:
+    """Fill L2 with ``buffer``'s lines (larger than any L2), pushing out what was there.
+
+    By reading it: L2 is then full of clean lines, which a timed call evicts for
+    free. Writing it (``by="write"``) leaves up to an L2 of dirty lines, whose
+    write-back then lands in the next timed span: about a 50 MB L2 at the write
+    rate, some 11 us on an H100 or H200, which once read as a fixed cost of every
+    small kernel.
+    """
+    if by == "read":
+        buffer.amax()
+    elif by == "write":
+        buffer.fill_(1)
+    else:
+        raise ValueError(f"evict L2 by 'read' or 'write', got {by!r}")
 
 
 def copy_bandwidth_gbps(device: torch.device | str, nbytes: int = 1 << 30) -> float:

@@ -237,9 +237,10 @@ def test_weight_update_drops_graphs(tmp_path):
     assert after != before
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode"])
-def test_flashinfer_attention_matches_torch(phase):
-    """Random q/k/v over a shuffled paged cache with cached prefixes: bf16 vs float32."""
+@pytest.mark.parametrize("phase, split_kv", [("prefill", 0), ("decode", 0), ("decode", 8)])
+def test_flashinfer_attention_matches_torch(phase, split_kv):
+    """Random q/k/v over a shuffled paged cache with cached prefixes: bf16 vs float32;
+    decode through FlashInfer and through the Triton split-KV kernel."""
     flashinfer_backend = pytest.importorskip("splitserve.workers.attention.flashinfer_backend")
     from splitserve.workers.kv_cache import KVCache, KVCacheSpec
 
@@ -266,10 +267,12 @@ def test_flashinfer_attention_matches_torch(phase):
 
     layer = AttentionSpec(0, heads, kv_heads, head_dim, head_dim**-0.5)
     fi = flashinfer_backend.FlashInferAttentionBackend(
-        heads, kv_heads, head_dim, torch.bfloat16, torch.device("cuda")
+        heads, kv_heads, head_dim, torch.bfloat16, torch.device("cuda"), split_kv_max_batch=split_kv
     )
     fb = build_forward_batch(steps, cache, fi, "cuda")
     assert (fb.phase == Phase.DECODE) == (phase == "decode")
+    split = isinstance(fb.attn_metadata, flashinfer_backend.SplitKVDecodeMetadata)
+    assert split == bool(split_kv)
     out = fi.forward(q, k, v, layer, fb).float()
     ref_backend = TorchAttentionBackend()
     ref_fb = build_forward_batch(steps, cache, ref_backend, "cuda")

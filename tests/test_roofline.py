@@ -168,3 +168,13 @@ def test_command_line_drops_the_report_path(monkeypatch):
     assert roofline.command_line("k.py") == "python benchmarks/k.py --sweep --json --quick"
     monkeypatch.setattr(sys, "argv", ["x", "--json", "--quick"])
     assert roofline.command_line("k.py") == "python benchmarks/k.py --json --quick"
+
+
+def test_evict_l2_refuses_an_unknown_way():
+    with pytest.raises(ValueError, match="'read' or 'write'"):
+        roofline.evict_l2(torch.ones(8, dtype=torch.uint8), by="flush")
+
+
+def test_back_to_back_needs_calls():
+    with pytest.raises(ValueError, match="at least one call"):
+        roofline.time_cuda_ms_back_to_back([])

@@ -1,0 +1,205 @@
+"""Triton split-KV paged decode attention; reference: ``splitserve.kernels.decode_attention``.
+
+For small decode batches, where a KV head's context alone cannot fill the GPU:
+each request's tokens are cut into ``num_splits`` equal runs (whole tiles of
+``BLOCK_N`` tokens, sized on the device from its length), one program per
+(request, KV head, split) attends every query head of that KV head's group to
+its run, page by page through the block table, with an online softmax, and
+writes the normalized partial output and its log-sum-exp. A second launch
+merges a query head's partials. The grid depends on the batch size only, so a
+decode CUDA graph can be captured once per batch size and replayed for any
+lengths. A split with no tokens writes a log-sum-exp of -inf and no weight; a
+request with no tokens gets zeros.
+
+The group's query heads are the rows of one ``tl.dot`` (padded to 16 rows):
+q and K in their dtype, scores and sums in float32, the probabilities cast to
+V's dtype for the second product, as FlashAttention does; float32 inputs
+multiply in full float32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from splitserve.kernels.decode_attention import check_shapes
+
+BLOCK_N = 32  # tokens per tile
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    seq_len_ptr,
+    part_out_ptr,  # [batch, num_heads, NUM_SPLITS, HEAD_DIM] float32
+    part_lse_ptr,  # [batch, num_heads, NUM_SPLITS] float32
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_cache_block,
+    stride_cache_offset,
+    stride_cache_head,
+    GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_len_ptr + b).to(tl.int32)
+    run = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * run
+    end = tl.minimum(start + run, seq_len)
+
+    rows = tl.arange(0, BLOCK_G)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_table_ptr + b.to(tl.int64) * stride_bt
+    for first in range(start, end, BLOCK_N):
+        tokens = first + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        block = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = (
+            block * stride_cache_block
+            + (tokens % BLOCK_SIZE) * stride_cache_offset
+            + kv_head * stride_cache_head
+        )
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    some = denom > 0
+    out = acc / tl.where(some, denom, 1.0)[:, None]
+    lse = tl.where(some, m + tl.log(tl.where(some, denom, 1.0)), float("-inf"))
+    part = (b * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
+    tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    tl.store(
+        part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
+        out,
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+@triton.jit
+def _merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < NUM_SPLITS
+    first = (b * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + first + splits, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top > float("-inf"), top, 0.0)  # every split empty: no weight at all
+    weight = tl.where(lse > float("-inf"), tl.exp(lse - top), 0.0)
+    parts = tl.load(
+        part_out_ptr + (first + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :],
+        other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    dst = out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + dims
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per request: enough (request, KV head, split) programs for two per SM, as a
+    power of 2 up to ``MAX_SPLITS``; depends on the batch size only (graph-static)."""
+    want = -(-2 * num_sms // max(batch * num_kv_heads, 1))
+    return min(MAX_SPLITS, triton.next_power_of_2(want))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [batch, num_heads, head_dim]
+    k_cache: torch.Tensor,  # NHD [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks] int32 or int64
+    seq_lens: torch.Tensor,  # [batch] int32 or int64
+    scale: float,
+    splits: int | None = None,  # default: ``num_splits`` for this device
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attend each request's query row over its paged KV; same result as the reference."""
+    check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous head_dim and equal cache strides")
+    if splits is None:
+        splits = num_splits(batch, num_kv_heads, _sm_count(q.device))
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    stride_block, stride_offset, stride_head, _ = k_cache.stride()
+    _split_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        stride_block, stride_offset, stride_head,
+        GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )  # fmt: skip
+    _merge_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: one split unless asked
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]

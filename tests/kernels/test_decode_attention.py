@@ -1,0 +1,114 @@
+import pytest
+import torch
+
+from splitserve.kernels.decode_attention import decode_attention as reference
+from splitserve.kernels.triton.decode_attention import decode_attention, num_splits
+from tests.kernels.utils import DEVICE, DTYPES, ON_GPU, assert_close, randn
+
+# (seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits)
+CASES = [
+    ([5], 4, 2, 16, 4, 1),  # qwen3-tiny
+    ([1, 17, 33], 4, 2, 16, 4, 4),  # runs shorter than a tile, splits with no tokens
+    ([40, 9], 8, 2, 32, 8, 2),
+    ([70], 6, 6, 64, 16, 8),  # no grouping
+    ([12, 3], 4, 1, 80, 4, 2),  # head_dim not a power of two
+]
+GPU_CASES = [
+    ([1024], 32, 8, 128, 16, None),  # Qwen3-8B, batch 1, 1k context
+    ([1024] * 8, 32, 8, 128, 16, None),
+    ([1, 4000, 333, 2048], 32, 8, 128, 16, None),
+    ([513, 77], 16, 2, 256, 32, None),
+]
+ALL_CASES = CASES + [pytest.param(c, marks=pytest.mark.gpu) for c in GPU_CASES]
+
+
+def paged_inputs(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Random q and caches; each request's blocks drawn at random from a cache twice the need."""
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 2 * sum(pages) + 1
+    k_cache, v_cache = (
+        randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype) for _ in "kv"
+    )
+    order = torch.randperm(num_blocks - 1)[: sum(pages)] + 1  # block 0: the null page
+    width = max(pages)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    start = 0
+    for row, n in zip(tables, pages):
+        row[:n] = order[start : start + n]
+        start += n
+    q = randn(len(seq_lens), num_heads, head_dim, dtype=dtype)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, tables.to(DEVICE), seq_lens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_matches_reference(case, dtype):
+    *shape, splits = case
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs(*shape, dtype)
+    scale = shape[3] ** -0.5
+    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, splits=splits)
+    want = reference(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, scale)
+    assert_close(out.float(), want, dtype)
+
+
+def test_split_count_does_not_change_the_result():
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([37, 64], 4, 2, 16, 4, torch.float32)
+    outs = [decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=s) for s in (1, 4)]
+    assert_close(outs[1], outs[0], torch.float32)
+
+
+def test_reads_only_the_tokens_within_each_length():
+    """Poison every cache entry past each request's length: the output must not move."""
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([6, 11], 4, 2, 16, 4, torch.float32)
+    before = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=2)
+    for row, n in zip(tables.tolist(), seq_lens.tolist()):
+        last = row[(n - 1) // 4]
+        for cache in (k_cache, v_cache):
+            cache[last, (n - 1) % 4 + 1 :] = 1e4
+    k_cache[0], v_cache[0] = 1e4, 1e4  # the null page and unused table entries point here
+    after = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=2)
+    assert torch.equal(after, before)
+
+
+def test_a_request_with_no_tokens_gets_zeros():
+    q, k_cache, v_cache, tables, _ = paged_inputs([8, 8], 4, 2, 16, 4, torch.float32)
+    seq_lens = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=2)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    want = reference(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    assert_close(out[1], want[1], torch.float32)
+
+
+def test_bad_shapes_are_refused():
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([8], 6, 4, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="do not group"):
+        decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([8], 4, 2, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="block_tables"):
+        decode_attention(q, k_cache, v_cache, tables[:0], seq_lens, 0.25)
+
+
+def test_num_splits_fills_the_gpu_and_depends_on_the_batch_only():
+    assert num_splits(1, 8, 132) == 32  # 8 programs a split: 264 programs for 132 SMs
+    assert num_splits(8, 8, 132) == 8
+    assert num_splits(64, 8, 132) == 1
+    assert num_splits(1, 1, 132) == 32  # capped
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+def test_graph_replays_for_other_lengths():
+    """Captured once for a batch size, replayed after the lengths and tables change."""
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([100, 900], 32, 8, 128, 16, torch.bfloat16)
+    out = torch.empty_like(q)
+    run = lambda: decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.088, out=out)
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    seq_lens.copy_(torch.tensor([700, 5], dtype=torch.int32))
+    tables.copy_(tables.flip(0))
+    graph.replay()
+    want = reference(q, k_cache, v_cache, tables, seq_lens, 0.088)
+    assert_close(out.float(), want.float(), torch.bfloat16)
