@@ -6,11 +6,16 @@ its first ``seq_lens[i]`` tokens, token ``t`` at block ``block_tables[i, t //
 block_size]``, offset ``t % block_size``. Query head ``h`` reads KV head ``h //
 (num_heads // num_kv_heads)`` (grouped-query attention). A request with no
 tokens gets zeros. Computed in float32, returned in ``q``'s dtype.
+
+``new_kv = (k, v, slot_mapping)`` first stores each request's new K/V row (its
+last token) at its slot, as ``kv_store.store_kv`` does (slot -1: not stored).
 """
 
 from __future__ import annotations
 
 import torch
+
+from splitserve.kernels.kv_store import store_kv
 
 
 def decode_attention(
@@ -20,10 +25,13 @@ def decode_attention(
     block_tables: torch.Tensor,  # [batch, max_blocks] int, block ids
     seq_lens: torch.Tensor,  # [batch] int
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
+    check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv)
+    if new_kv is not None:
+        store_kv(*new_kv[:2], k_cache, v_cache, new_kv[2])
     max_len = max(int(seq_lens.max()), 1) if batch else 1
     positions = torch.arange(max_len, device=q.device)
     block_index = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
@@ -39,7 +47,7 @@ def decode_attention(
     return torch.einsum("bhl,blhd->bhd", probs, values).to(q.dtype)
 
 
-def check_shapes(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+def check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv=None) -> None:
     """Raise ValueError, naming what is wrong, unless the arguments fit together."""
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
@@ -60,3 +68,11 @@ def check_shapes(q, k_cache, v_cache, block_tables, seq_lens) -> None:
             f"batch {batch} needs block_tables [batch, blocks] and seq_lens [batch]; got "
             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
         )
+    if new_kv is not None:
+        k, v, slots = new_kv
+        want = (batch, num_kv_heads, head_dim)
+        if k.shape != want or v.shape != want or slots.shape != (batch,):
+            raise ValueError(
+                f"new K/V rows are [batch, kv_heads, dim] = {want} with one slot each; got "
+                f"{tuple(k.shape)}, {tuple(v.shape)}, slots {tuple(slots.shape)}"
+            )

@@ -6,7 +6,11 @@ each request's tokens are cut into ``num_splits`` equal runs (whole tiles of
 (request, KV head, split) attends every query head of that KV head's group to
 its run, page by page through the block table, with an online softmax, and
 writes the normalized partial output and its log-sum-exp. A second launch
-merges a query head's partials. The grid depends on the batch size only, so a
+merges a query head's partials. With ``new_kv`` the split kernel also stores
+each request's new K/V row (the last split's program writes it at its slot), and the
+program whose run holds the last token takes that row from the inputs, not
+from the cache, so no program waits for the store: the KV store costs no
+launch of its own. The grid depends on the batch size only, so a
 decode CUDA graph can be captured once per batch size and replayed for any
 lengths. A split with no tokens writes a log-sum-exp of -inf and no weight; a
 request with no tokens gets zeros.
@@ -38,9 +42,16 @@ def _split_kernel(
     seq_len_ptr,
     part_out_ptr,  # [batch, num_heads, NUM_SPLITS, HEAD_DIM] float32
     part_lse_ptr,  # [batch, num_heads, NUM_SPLITS] float32
+    k_new_ptr,  # [batch, num_kv_heads, HEAD_DIM]: the last token's K/V (with NEW_KV)
+    v_new_ptr,
+    slot_ptr,  # [batch] int, -1: not stored
     scale,
     stride_qb,
     stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
     stride_bt,
     stride_cache_block,
     stride_cache_offset,
@@ -54,6 +65,7 @@ def _split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    NEW_KV: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,6 +85,20 @@ def _split_kernel(
         mask=row_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
+    last = seq_len - 1
+    if NEW_KV:
+        k_new = tl.load(k_new_ptr + b * stride_kb + kv_head * stride_kh + dims, mask=dim_ok)
+        v_new = tl.load(v_new_ptr + b * stride_vb + kv_head * stride_vh + dims, mask=dim_ok)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (split == NUM_SPLITS - 1) & (slot >= 0):
+            dst = (
+                (slot // BLOCK_SIZE) * stride_cache_block
+                + (slot % BLOCK_SIZE) * stride_cache_offset
+                + kv_head * stride_cache_head
+                + dims
+            )
+            tl.store(k_cache_ptr + dst, k_new, mask=dim_ok)
+            tl.store(v_cache_ptr + dst, v_new, mask=dim_ok)
     m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -89,6 +115,10 @@ def _split_kernel(
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if NEW_KV:  # the last token's row as computed (its store may not have landed)
+            is_new = (tokens == last)[:, None]
+            k = tl.where(is_new, k_new[None, :], k)
+            v = tl.where(is_new, v_new[None, :], v)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -160,9 +190,11 @@ def decode_attention(
     scale: float,
     splits: int | None = None,  # default: ``num_splits`` for this device
     out: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k, v, slots
 ) -> torch.Tensor:
-    """Attend each request's query row over its paged KV; same result as the reference."""
-    check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
+    """Attend each request's query row over its paged KV; same result as the reference
+    (with ``new_kv``: the new rows stored first)."""
+    check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
@@ -177,13 +209,17 @@ def decode_attention(
     part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     stride_block, stride_offset, stride_head, _ = k_cache.stride()
+    k_new, v_new, slots = new_kv if new_kv is not None else (k_cache, v_cache, seq_lens)
+    if new_kv is not None and (k_new.stride(-1) != 1 or v_new.stride(-1) != 1):
+        raise ValueError("the new K/V rows need a contiguous head_dim")
     _split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0),
-        stride_block, stride_offset, stride_head,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, k_new, v_new, slots,
+        scale, q.stride(0), q.stride(1), *k_new.stride()[:2], *v_new.stride()[:2],
+        block_tables.stride(0), stride_block, stride_offset, stride_head,
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NEW_KV=new_kv is not None, num_warps=4,
     )  # fmt: skip
     _merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),

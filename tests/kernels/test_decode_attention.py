@@ -52,6 +52,44 @@ def test_matches_reference(case, dtype):
     assert_close(out.float(), want, dtype)
 
 
+def new_rows(tables, seq_lens, num_kv_heads, head_dim, block_size, dtype, skip=()):
+    """Each request's new K/V row and the slot of its last token (-1 for rows in ``skip``)."""
+    k, v = (randn(len(seq_lens), num_kv_heads, head_dim, dtype=dtype) for _ in "kv")
+    last = seq_lens.long() - 1
+    slots = tables.long()[torch.arange(len(last)), last // block_size] * block_size
+    slots += last % block_size
+    slots[list(skip)] = -1
+    return k, v, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_stores_the_new_rows_and_attends_them(case, dtype):
+    """new_kv: the cache afterwards equals the reference's store; attention sees the new
+    rows even where the cache held NaN before (its store may land after the read)."""
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits = case
+    q, k_cache, v_cache, tables, lens = paged_inputs(*case[:-1], dtype)
+    new = new_rows(tables, lens, num_kv_heads, head_dim, block_size, dtype)
+    for cache in (k_cache, v_cache):
+        cache.view(-1, num_kv_heads, head_dim)[new[2]] = float("nan")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    scale = head_dim**-0.5
+    out = decode_attention(q, k_cache, v_cache, tables, lens, scale, splits=splits, new_kv=new)
+    want = reference(q.float(), ref_k, ref_v, tables, lens, scale, new_kv=new)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert_close(out.float(), want.float(), dtype)
+
+
+def test_a_new_row_with_slot_minus_one_is_not_stored():
+    q, k_cache, v_cache, tables, lens = paged_inputs([9, 14], 4, 2, 16, 4, torch.float32)
+    new = new_rows(tables, lens, 2, 16, 4, torch.float32, skip=[0])
+    before = k_cache.clone()
+    decode_attention(q, k_cache, v_cache, tables, lens, 0.25, splits=2, new_kv=new)
+    changed = (k_cache != before).flatten(2).any(-1).nonzero().tolist()
+    row = tables[1, 13 // 4].item()
+    assert changed == [[row, 13 % 4]]  # request 1's last token only
+
+
 def test_split_count_does_not_change_the_result():
     q, k_cache, v_cache, tables, seq_lens = paged_inputs([37, 64], 4, 2, 16, 4, torch.float32)
     outs = [decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=s) for s in (1, 4)]

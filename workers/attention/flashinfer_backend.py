@@ -16,10 +16,11 @@ Decode uses FlashInfer's tensor-core kernels when a KV head serves at least
 decode kernel is bound by its arithmetic there, not by the KV bytes. Decode
 steps of at most ``split_kv_max_batch`` requests run the Triton split-KV
 kernel instead (``kernels/triton/decode_attention.py``): one launch for the
-splits and one for their merge, no plan, and an index (block table, lengths)
-that is the step's own tensors, or in a graph the runner's static buffers.
+splits, which also stores the new K/V rows, and one for their merge; no plan,
+and an index (block table, lengths) that is the step's own tensors, or in a
+graph the runner's static buffers.
 
-New K/V rows go into the cache with the Triton KV store before attention.
+Otherwise new K/V rows go into the cache with the Triton KV store before attention.
 
 Decode CUDA graphs get one decode wrapper per captured size, built over
 static index buffers (``use_cuda_graph=True``); ``prepare_replay`` re-plans
@@ -261,12 +262,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
-        store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
         meta = forward_batch.attn_metadata
-        if isinstance(meta, SplitKVDecodeMetadata):
+        if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
+            new_kv = (_rows(k), _rows(v), forward_batch.slot_mapping)
             return decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, meta.splits
-            )
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, meta.splits,
+                new_kv=new_kv,
+            )  # fmt: skip
+        store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
         if meta.ragged:
             return meta.wrapper.run(q, k, v)
         return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))
@@ -326,3 +329,8 @@ def _write_index(fb: ForwardBatch) -> None:
     index = torch.from_numpy(host).to(fb.block_tables.device, non_blocking=True)
     fb.seq_lens_tensor.copy_(index[:, 0])
     fb.block_tables[:, :width].copy_(index[:, 1:])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """The kernel indexes rows and heads by stride but needs a contiguous head_dim."""
+    return x if x.stride(-1) == 1 else x.contiguous()
