@@ -7,10 +7,10 @@ each request's tokens are cut into ``num_splits`` equal runs (whole tiles of
 its run, page by page through the block table, with an online softmax, and
 writes the normalized partial output and its log-sum-exp. A second launch
 merges a query head's partials. With ``new_kv`` the split kernel also stores
-each request's new K/V row (the last split's program writes it at its slot), and the
-program whose run holds the last token takes that row from the inputs, not
-from the cache, so no program waits for the store: the KV store costs no
-launch of its own. The grid depends on the batch size only, so a
+each request's new K/V row (the last split's program writes it at its slot),
+and the program whose run holds the last token attends that row from its
+inputs after its tiles of cached tokens, so no program reads the slot being
+written: the KV store costs no launch of its own. The grid depends on the batch size only, so a
 decode CUDA graph can be captured once per batch size and replayed for any
 lengths. A split with no tokens writes a log-sum-exp of -inf and no weight; a
 request with no tokens gets zeros.
@@ -103,9 +103,10 @@ def _split_kernel(
     denom = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = block_table_ptr + b.to(tl.int64) * stride_bt
-    for first in range(start, end, BLOCK_N):
+    cached_end = tl.minimum(end, last) if NEW_KV else end  # the new row: after the loop
+    for first in range(start, cached_end, BLOCK_N):
         tokens = first + tl.arange(0, BLOCK_N)
-        valid = tokens < end
+        valid = tokens < cached_end
         block = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         row = (
             block * stride_cache_block
@@ -115,10 +116,6 @@ def _split_kernel(
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if NEW_KV:  # the last token's row as computed (its store may not have landed)
-            is_new = (tokens == last)[:, None]
-            k = tl.where(is_new, k_new[None, :], k)
-            v = tl.where(is_new, v_new[None, :], v)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -127,6 +124,15 @@ def _split_kernel(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if NEW_KV:  # noqa: SIM102 - a compile-time branch around a run-time one
+        if (start <= last) & (last < end):  # this run holds the new row: from the inputs
+            score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+            m_new = tl.maximum(m, score)
+            p = tl.exp(score - m_new)
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            m = m_new
 
     some = denom > 0
     out = acc / tl.where(some, denom, 1.0)[:, None]
