@@ -13,7 +13,10 @@ bandwidth, bf16 GEMM rate):
   kernel alone, as a caller that has seen its scales set calls it); the
   ``uncal. ms`` column times the plain call (amax kernel, which returns at once,
   then the store). Bytes: read K and V in bf16, write them in the cache dtype.
-  Target: >= 0.8 of the copy bandwidth at large token counts.
+  Target: >= 0.8 of the copy bandwidth at large token counts. Also timed back
+  to back (``b2b``: four stores with their own inputs and caches replayed from
+  one CUDA graph, each paying for the dirty lines the one before it left in
+  L2) and after the old L2 flush by writing (``write-flush ms``).
   ``--sweep-kv-store`` times only a grid of the store's tilings instead
   (``benchmarks/kv_store_sweep.py``).
 - MoE layer shaped like Qwen3-30B-A3B (hidden 2048, 128 experts, top-8, expert
@@ -29,7 +32,7 @@ bandwidth, bf16 GEMM rate):
 
 Ratios are floor time / measured time (1.0 = at the floor; for the
 bandwidth-bound kernels, the fraction of the copy bandwidth). Every timing is
-the median of CUDA-event spans with L2 flushed before each call. Each kernel is
+the median of CUDA-event spans with L2 emptied (by reading) before each call. Each kernel is
 checked once against its torch reference (in float32 where it computes) before
 it is timed; a wrong kernel is not timed, its row carries the error, and the
 command exits with status 1. Writes ``docs/perf/kernels_<device>.json`` (not
