@@ -39,10 +39,8 @@ def build_forward_batch(
     for q in query_lens:
         cu.append(cu[-1] + q)
     logits_indices = [end - 1 for r, end in zip(requests, cu[1:]) if r.sample]
-    max_blocks = max(len(r.block_ids) for r in requests)
-    tables = np.full((len(requests), max_blocks), NULL_BLOCK, dtype=np.int64)
-    for row, r in zip(tables, requests):
-        row[: len(r.block_ids)] = r.block_ids
+    tables = padded_block_tables([r.block_ids for r in requests])
+    max_blocks = tables.shape[1]
     positions = np.concatenate(
         [np.arange(r.num_computed, s, dtype=np.int64) for r, s in zip(requests, seq_lens)]
     )
@@ -82,6 +80,14 @@ def build_forward_batch(
     if plan:
         attn_backend.plan(fb)
     return fb
+
+
+def padded_block_tables(block_ids: list[list[int]], dtype=np.int64) -> np.ndarray:
+    """``[batch, longest]`` block tables on the host, short rows padded with the null page."""
+    tables = np.full((len(block_ids), max(map(len, block_ids))), NULL_BLOCK, dtype=dtype)
+    for row, blocks in zip(tables, block_ids):
+        row[: len(blocks)] = blocks
+    return tables
 
 
 def to_device(values: list, device: torch.device | str, dtype=None) -> torch.Tensor:

@@ -216,8 +216,8 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     stride_block, stride_offset, stride_head, _ = k_cache.stride()
     k_new, v_new, slots = new_kv if new_kv is not None else (k_cache, v_cache, seq_lens)
-    if new_kv is not None and (k_new.stride(-1) != 1 or v_new.stride(-1) != 1):
-        raise ValueError("the new K/V rows need a contiguous head_dim")
+    # the kernel indexes rows and heads by stride but needs a contiguous head_dim
+    k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (k_new, v_new))
     _split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, k_new, v_new, slots,
         scale, q.stride(0), q.stride(1), *k_new.stride()[:2], *v_new.stride()[:2],

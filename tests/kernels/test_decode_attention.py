@@ -80,6 +80,24 @@ def test_stores_the_new_rows_and_attends_them(case, dtype):
     assert_close(out.float(), want.float(), dtype)
 
 
+def test_new_rows_may_be_strided_views():
+    """K as a slice of a fused qkv row (rows strided), V with a non-contiguous head_dim."""
+    q, k_cache, v_cache, tables, lens = paged_inputs([9, 14], 4, 2, 16, 4, torch.float32)
+    k, v, slots = new_rows(tables, lens, 2, 16, 4, torch.float32)
+    fused = randn(2, 3, 2, 16)
+    fused[:, 1] = k
+    strided_k = fused[:, 1]
+    transposed_v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    assert strided_k.stride(0) != 2 * 16 and transposed_v.stride(-1) != 1
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    out = decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.25, splits=2, new_kv=(strided_k, transposed_v, slots)
+    )
+    want = reference(q, ref_k, ref_v, tables, lens, 0.25, new_kv=(k, v, slots))
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert_close(out, want, torch.float32)
+
+
 def test_a_new_row_with_slot_minus_one_is_not_stored():
     q, k_cache, v_cache, tables, lens = paged_inputs([9, 14], 4, 2, 16, 4, torch.float32)
     new = new_rows(tables, lens, 2, 16, 4, torch.float32, skip=[0])

@@ -38,10 +38,11 @@ import numpy as np
 import torch
 
 from splitserve.kernels.ops import store_kv
-from splitserve.kernels.triton.decode_attention import decode_attention, num_splits
+from splitserve.kernels.triton.decode_attention import decode_attention
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
-from splitserve.workers.kv_cache import NULL_BLOCK, KVCache
+from splitserve.workers.input_batch import padded_block_tables
+from splitserve.workers.kv_cache import KVCache
 
 HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 WORKSPACE_BYTES = 256 << 20
@@ -86,7 +87,6 @@ class SplitKVDecodeMetadata:
 
     block_tables: torch.Tensor  # [batch, blocks] int
     seq_lens: torch.Tensor  # [batch] int
-    splits: int
 
 
 def tensor_core_decode(num_heads: int, num_kv_heads: int) -> bool:
@@ -150,7 +150,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_tensor_cores = decode_tensor_cores
         self.ragged_prefill = ragged_prefill
         self.split_kv_max_batch = split_kv_max_batch
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.ragged_wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD")
@@ -180,7 +179,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan(self, fb: ForwardBatch) -> None:
         if self._split_kv(fb, fb.num_tokens):
-            fb.attn_metadata = self._split_kv_metadata(fb.block_tables, fb.seq_lens_tensor)
+            fb.attn_metadata = SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor)
             return
         index = PagedKVIndex.of(fb)
         if fb.phase == Phase.DECODE:
@@ -226,10 +225,6 @@ class FlashInferAttentionBackend(AttentionBackend):
             and fb.kv_cache.spec.dtype == self.dtype
         )
 
-    def _split_kv_metadata(self, block_tables, seq_lens) -> SplitKVDecodeMetadata:
-        splits = num_splits(block_tables.shape[0], self.num_kv_heads, self._num_sms)
-        return SplitKVDecodeMetadata(block_tables, seq_lens, splits)
-
     def _can_run_ragged(self, fb: ForwardBatch) -> bool:
         return self.ragged_prefill and attends_own_kv(fb, self.dtype)
 
@@ -264,11 +259,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
         meta = forward_batch.attn_metadata
         if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
-            new_kv = (_rows(k), _rows(v), forward_batch.slot_mapping)
+            new_kv = (k, v, forward_batch.slot_mapping)
             return decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, meta.splits,
-                new_kv=new_kv,
-            )  # fmt: skip
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, new_kv=new_kv
+            )
         store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
         if meta.ragged:
             return meta.wrapper.run(q, k, v)
@@ -304,7 +298,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         fb = forward_batch
         if self._split_kv(fb, num_tokens):
             _write_index(fb)
-            fb.attn_metadata = self._split_kv_metadata(fb.block_tables, fb.seq_lens_tensor)
+            fb.attn_metadata = SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor)
             return
         wrapper = self.graph_wrappers[num_tokens]
         with self._planning():
@@ -320,17 +314,8 @@ def _write_index(fb: ForwardBatch) -> None:
     """The padded batch's block tables and lengths into the graph's static buffers
     (``fb.block_tables``, ``fb.seq_lens_tensor``): one copy from the host, which does
     not wait for the device, then two on it."""
-    batch = len(fb.block_ids)
-    width = max(len(blocks) for blocks in fb.block_ids)
-    host = np.full((batch, 1 + width), NULL_BLOCK, dtype=np.int32)
-    host[:, 0] = fb.seq_lens
-    for row, blocks in zip(host, fb.block_ids):
-        row[1 : 1 + len(blocks)] = blocks
+    tables = padded_block_tables(fb.block_ids, dtype=np.int32)
+    host = np.concatenate([np.asarray(fb.seq_lens, dtype=np.int32)[:, None], tables], axis=1)
     index = torch.from_numpy(host).to(fb.block_tables.device, non_blocking=True)
     fb.seq_lens_tensor.copy_(index[:, 0])
-    fb.block_tables[:, :width].copy_(index[:, 1:])
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """The kernel indexes rows and heads by stride but needs a contiguous head_dim."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    fb.block_tables[:, : tables.shape[1]].copy_(index[:, 1:])

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from splitserve.kernels.ops import store_kv
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
 from splitserve.workers.forward_batch import ForwardBatch, Phase
-from splitserve.workers.input_batch import to_device
-from splitserve.workers.kv_cache import NULL_BLOCK
+from splitserve.workers.input_batch import padded_block_tables, to_device
 
 MAX_GRAPH_GATHER_BLOCKS = 1 << 14  # decode graphs gather all of max_model_len per request
 
@@ -74,10 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
         """Fills the graph's index from the (padded) batch's host block ids and lengths."""
         fb = forward_batch
         device = self._graph_index.device
-        width = max(len(blocks) for blocks in fb.block_ids)
-        tables = torch.full((num_tokens, width), NULL_BLOCK, dtype=torch.long)
-        for row, blocks in zip(tables, fb.block_ids):
-            row[: len(blocks)] = torch.tensor(blocks)
+        tables = torch.from_numpy(padded_block_tables(fb.block_ids))
         # Not blocking: the device may still run the previous step (async scheduling).
         tables, seq_lens = tables.to(device, non_blocking=True), to_device(fb.seq_lens, device)
         gather_index, key_mask = _gather_index(
