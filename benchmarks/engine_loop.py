@@ -51,6 +51,7 @@ from roofline import (  # noqa: E402
     write_report,
 )
 
+from splitserve.kernels.triton import pdl  # noqa: E402
 from splitserve.scheduler.sampling_params import SamplingParams  # noqa: E402
 from splitserve.workers.engine import LLMEngine  # noqa: E402
 from splitserve.workers.input_batch import build_forward_batch  # noqa: E402
@@ -144,6 +145,12 @@ def main() -> None:
         "backend's; 0: FlashInfer for every batch)",
     )
     parser.add_argument(
+        "--pdl",
+        choices=["on", "off"],
+        default="on",
+        help="launch the Triton kernels with programmatic dependent launch (sm90+)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="first print where the GPU waits in async decode (b1, b64) and prefill loops",
@@ -153,6 +160,7 @@ def main() -> None:
     bandwidth = copy_bandwidth_gbps(device)
     gemm = gemm_tflops(device)
     print(f"copy bandwidth {bandwidth:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
+    pdl.set_enabled(args.pdl == "on")
     engine = bench_engine(args.kv_cache_gb)
     if args.split_kv_max_batch is not None:
         engine.runner.attn_backend.split_kv_max_batch = args.split_kv_max_batch
@@ -194,6 +202,7 @@ def main() -> None:
         "gemm_tflops": round(gemm, 1),
         "decode_steps": args.steps,
         "split_kv_max_batch": getattr(engine.runner.attn_backend, "split_kv_max_batch", None),
+        "pdl": pdl.enabled(device),
         "rows": rows,
     }
     path = Path(args.json or f"docs/perf/engine_loop_{device_slug(report['device'])}.json")

@@ -11,11 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, d, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -40,5 +45,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = min(BLOCK, triton.next_power_of_2(d))
     if x2.shape[0]:
         grid = (x2.shape[0], triton.cdiv(d, block))
-        _silu_and_mul_kernel[grid](x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block)
+        _silu_and_mul_kernel[grid](
+            x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, **launch_options(x.device)
+        )
     return out

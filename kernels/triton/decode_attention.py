@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.decode_attention import check_shapes
+from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
 
 BLOCK_N = 32  # tokens per tile
 MAX_SPLITS = 32
@@ -66,7 +67,9 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     NEW_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,7 +161,9 @@ def _merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -225,12 +230,13 @@ def decode_attention(
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NEW_KV=new_kv is not None, num_warps=4,
+        NEW_KV=new_kv is not None, num_warps=4, **launch_options(q.device, streaming=True),
     )  # fmt: skip
     _merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
+        **launch_options(q.device),
     )  # fmt: skip
     return out
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.kv_store import FP8_DTYPE, _check_layout, check_kv_cache_dtype
+from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
 
 MAX_TILE = 2048  # elements of one token's [BLOCK_H, BLOCK_D] tile
 AMAX_PROGRAMS = 512  # token-strided programs of the amax kernel (per block of heads)
@@ -84,7 +85,9 @@ def _store_kv_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     # every load is issued before the first store (which could alias K or V to the
     # compiler): slots, K and V rows, then the scales, then the stores
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -265,6 +268,7 @@ def _launch(
         num_tokens, *k.stride()[:2], *v.stride()[:2], *strides,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, FP8=fp8,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+        **launch_options(k.device),
     )  # fmt: skip
 
 

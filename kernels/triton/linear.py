@@ -42,7 +42,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-MAX_M = 1  # ``linear`` uses the kernel up to this many rows, cuBLAS above (measured)
+from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
+
+MAX_M = 16  # ``linear`` uses the kernel up to this many rows, cuBLAS above (measured)
 DTYPES = (torch.bfloat16, torch.float16)
 REDUCE_BLOCK = 1024
 
@@ -95,7 +97,9 @@ def _linear_kernel(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -152,7 +156,9 @@ def _split_k_sum_kernel(
     split_k,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
@@ -212,7 +218,7 @@ def small_m_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         return F.linear(x, weight, bias) if k == 0 else out.view(*lead, n)
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, _sm_count(x.device))
     block_m = cfg.block_m(m)
     has_bias, partial = bias is not None, cfg.split_k > 1
     b = bias if has_bias else out  # a placeholder when there is none: never read
@@ -222,22 +228,42 @@ def small_m_linear(
         HAS_BIAS=has_bias, PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(x.device, streaming=True),
     )  # fmt: skip
     if partial:
         _split_k_sum_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
-            dest, b, out, m, n, cfg.split_k, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK, num_warps=4
-        )
+            dest, b, out, m, n, cfg.split_k, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
+            num_warps=4, **launch_options(x.device),
+        )  # fmt: skip
     return out.view(*lead, n)
 
 
-def default_config(m: int, n: int, k: int) -> LinearConfig:
-    """Tiles for ``[m, k] @ [n, k]^T``, from the H200 sweep (module docstring).
+def default_config(m: int, n: int, k: int, num_sms: int = 132) -> LinearConfig:
+    """Tiles for ``[m, k] @ [n, k]^T`` on a GPU of ``num_sms`` SMs (module docstring).
 
-    One row: the GEMV on ``[16, 512]`` tiles; more rows: ``tl.dot`` on
-    ``[32, 128]``. Four warps, four stages, no K split.
+    One row: the GEMV on ``[16, 512]`` tiles, no K split. More rows: ``tl.dot`` on
+    ``[32, 128]`` tiles (``[64, 128]`` when N alone gives two programs an SM), and
+    K split in two until the grid has 1.5 programs an SM. Four warps, four stages.
     """
     if m == 1:
         cfg = LinearConfig(block_n=16, block_k=512, num_warps=4, num_stages=4, use_dot=False)
     else:
-        cfg = LinearConfig(block_n=32, block_k=128, num_warps=4, num_stages=4, use_dot=True)
+        block_n = 64 if triton.cdiv(n, 64) >= 2 * num_sms else 32
+        block_k = min(128, max(triton.next_power_of_2(k), 16))
+        split = 1
+        while 2 * triton.cdiv(n, block_n) * split <= 3 * num_sms and k >= 4 * split * block_k:
+            split *= 2
+        cfg = LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=True)
     return replace(cfg, block_k=min(cfg.block_k, max(triton.next_power_of_2(k), 16)))
+
+
+_SM_COUNTS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: the tiles of an H200
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNTS:
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS[index]

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
+
 MAX_TILE = 1024  # elements of one program's [heads, head_dim] tile
 
 
@@ -86,7 +88,9 @@ def _qk_norm_rope_kernel(
     stride_sin,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -148,17 +152,7 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos_cache.stride(0), sin_cache.stride(0),
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)),
-    )  # fmt: skip
-    return q_out, k_out
-    block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(max(num_heads, k.shape[1])), max(1, MAX_TILE // block_d))
-    grid = (num_tokens, triton.cdiv(num_heads, block_h) + triton.cdiv(k.shape[1], block_h))
-    _qk_norm_rope_kernel[grid](
-        q, k, q_out, k_out, q_weight.contiguous(), k_weight.contiguous(), cos_cache, sin_cache,
-        positions, num_heads, k.shape[1], head_dim, rotary_dim // 2, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_cache.stride(0), sin_cache.stride(0),
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)),
+        **launch_options(q.device),
     )  # fmt: skip
     return q_out, k_out
 

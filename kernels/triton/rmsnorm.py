@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
+
 MAX_HIDDEN = 65536
 
 
@@ -30,7 +32,9 @@ def _rms_norm_kernel(
     stride_residual_out,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -86,6 +90,7 @@ def _launch(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor | None
             x2, res2, weight.contiguous(), out, res_out, hidden, eps,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            **launch_options(x.device),
         )  # fmt: skip
     out = out.view(x.shape)
     return out, None if residual is None else res_out.view(x.shape)

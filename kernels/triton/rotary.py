@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
+
 MAX_TILE = 2048
 
 
@@ -37,7 +39,9 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_previous_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
@@ -105,6 +109,6 @@ def _rotate(x, cos, sin, positions, inplace: bool) -> torch.Tensor:
         x, out, cos, sin, positions, num_heads, head_dim, rotary_dim // 2,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
         COPY_PASS=not inplace and rotary_dim < head_dim,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, **launch_options(x.device),
     )  # fmt: skip
     return out

@@ -158,13 +158,16 @@ QWEN3_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("n,k", QWEN3_8B)
 def test_default_config_on_decode_shapes(n, k, m):
-    """Whole K tiles (no masks), the GEMV for one row, no K split; the GEMV's grid
-    covers an H200's 132 SMs."""
-    cfg = default_config(m, n, k)
-    assert k % cfg.block_k == 0
+    """Whole K tiles (no masks), the GEMV for one row without a K split; every grid
+    covers an H200's 132 SMs, the ``tl.dot`` grids with 1.5 programs an SM or more
+    but not twice that from splitting K."""
+    cfg = default_config(m, n, k, num_sms=132)
+    programs = -(-n // cfg.block_n) * cfg.split_k
+    assert k % cfg.block_k == 0 and (k // cfg.split_k) % cfg.block_k == 0
     assert cfg.use_dot == (m > 1)
-    assert cfg.split_k == 1
-    assert m > 1 or -(-n // cfg.block_n) >= 132
+    assert m > 1 or (cfg.split_k == 1 and programs >= 132)
+    assert m == 1 or programs >= 198
+    assert cfg.split_k == 1 or programs / 2 < 198
 
 
 def test_ops_dispatch_both_branches(monkeypatch):

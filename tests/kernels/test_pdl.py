@@ -1,0 +1,127 @@
+"""Programmatic dependent launch (``kernels/triton/pdl.py``).
+
+On the GPU a decode layer's chain of kernels (add-norm, one-row linears, SiLU,
+q/k norm with rotary, split-KV attention and its merge) runs with PDL on and
+off, eagerly and replayed from a CUDA graph: every result must be bitwise the
+same, since each kernel waits for the one before it before it reads anything.
+A kernel that read its input before the previous kernel finished writing it
+would change the results (the residual is read two launches after it is
+written, the attention reads the KV row stored in the same launch chain).
+"""
+
+import pytest
+import torch
+
+from splitserve.kernels.triton import pdl
+from tests.kernels.utils import ON_GPU
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 1024, 16, 4, 128, 6144
+BLOCK_SIZE, CONTEXT, LAYERS = 16, 300, 3
+
+
+@pytest.fixture
+def pdl_switch():
+    """Turns PDL on or off for the test, and back on after it."""
+    yield pdl.set_enabled
+    pdl.set_enabled(True)
+
+
+def test_off_on_the_cpu_and_when_disabled(pdl_switch):
+    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+    pdl_switch(False)
+    assert not pdl.enabled(torch.device("cuda", 0))
+    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": False}
+
+
+def _weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def w(*shape, scale=None):
+        t = torch.randn(*shape, generator=gen) * (scale or shape[-1] ** -0.5)
+        return t.to("cuda", torch.bfloat16)
+
+    qkv_out = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    return {
+        "ln1": 1 + w(HIDDEN, scale=0.1),
+        "ln2": 1 + w(HIDDEN, scale=0.1),
+        "qkv": w(qkv_out, HIDDEN),
+        "q_norm": 1 + w(HEAD_DIM, scale=0.1),
+        "k_norm": 1 + w(HEAD_DIM, scale=0.1),
+        "o": w(HIDDEN, HEADS * HEAD_DIM),
+        "gate_up": w(2 * FFN, HIDDEN),
+        "down": w(HIDDEN, FFN),
+    }
+
+
+def _decode_layers(x, residual, weights, caches, cos, sin, positions, tables, lens, slots):
+    """``LAYERS`` decoder layers of one decode step, through the ops the model calls."""
+    from splitserve.kernels import ops
+    from splitserve.kernels.triton.decode_attention import decode_attention
+
+    for k_cache, v_cache in caches:
+        h, residual = ops.rms_norm(x, weights["ln1"], 1e-6, residual)
+        qkv = ops.linear(h, weights["qkv"])
+        q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+        q = q.view(-1, HEADS, HEAD_DIM)
+        k, v = k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
+        q, k = ops.qk_norm_rope(
+            positions, q, k, weights["q_norm"], weights["k_norm"], 1e-6, cos, sin
+        )
+        attn = decode_attention(
+            q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, new_kv=(k, v, slots)
+        )
+        x = ops.linear(attn.view(-1, HEADS * HEAD_DIM), weights["o"])
+        h, residual = ops.rms_norm(x, weights["ln2"], 1e-6, residual)
+        x = ops.linear(ops.silu_and_mul(ops.linear(h, weights["gate_up"])), weights["down"])
+    return x, residual
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.skipif(
+    ON_GPU and torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm90+"
+)
+def test_decode_chain_same_with_and_without_pdl(pdl_switch):
+    gen = torch.Generator().manual_seed(0)
+    weights = _weights(gen)
+    blocks = CONTEXT // BLOCK_SIZE + 2
+    shape = (blocks + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)  # page 0: the null page
+    fresh = [
+        tuple(torch.randn(shape, generator=gen).to("cuda", torch.bfloat16) for _ in "kv")
+        for _ in range(LAYERS)
+    ]
+    tables = torch.randperm(blocks, generator=gen)[None].add(1).to("cuda", torch.int32)
+    lens = torch.tensor([CONTEXT], device="cuda", dtype=torch.int32)
+    block, offset = (CONTEXT - 1) // BLOCK_SIZE, (CONTEXT - 1) % BLOCK_SIZE
+    slots = (tables[:, block].long() * BLOCK_SIZE + offset).contiguous()
+    positions = torch.tensor([CONTEXT - 1], device="cuda")
+    angles = torch.arange(4096, dtype=torch.float32)[:, None] * torch.rand(HEAD_DIM // 2)
+    cos, sin = (f(torch.cat([angles, angles], -1)).cuda() for f in (torch.cos, torch.sin))
+    x0 = torch.randn(1, HIDDEN, generator=gen).to("cuda", torch.bfloat16)
+    r0 = torch.randn(1, HIDDEN, generator=gen).to("cuda", torch.bfloat16)
+
+    def run(enabled: bool, graph: bool):
+        pdl_switch(enabled)
+        caches = [(k.clone(), v.clone()) for k, v in fresh]
+        args = (weights, caches, cos, sin, positions, tables, lens, slots)
+        x, r = x0.clone(), r0.clone()
+        if not graph:
+            out = _decode_layers(x, r, *args)
+            return [*out, *(t for kv in caches for t in kv)]
+        _decode_layers(x, r, *args)  # compile outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = _decode_layers(x, r, *args)
+        for (k_cache, v_cache), (k, v) in zip(caches, fresh, strict=True):
+            k_cache.copy_(k)  # the warm-up stored the new rows: start again
+            v_cache.copy_(v)
+        x.copy_(x0)
+        r.copy_(r0)
+        g.replay()
+        return [*out, *(t for kv in caches for t in kv)]
+
+    expected = run(False, graph=False)
+    for enabled, graph in [(True, False), (True, True), (False, True)]:
+        got = run(enabled, graph)
+        torch.cuda.synchronize()
+        names = ["hidden", "residual"] + [f"cache {i}" for i in range(2 * LAYERS)]
+        for name, a, b in zip(names, got, expected, strict=True):
+            assert torch.equal(a, b), f"{name} differs (pdl={enabled}, graph={graph})"
