@@ -147,8 +147,8 @@ def main() -> None:
     parser.add_argument(
         "--pdl",
         choices=["on", "off"],
-        default="on",
-        help="launch the Triton kernels with programmatic dependent launch (sm90+)",
+        help="programmatic dependent launch between the Triton kernels (default: on, "
+        "unless SPLITSERVE_PDL=0)",
     )
     parser.add_argument(
         "--profile",
@@ -160,7 +160,8 @@ def main() -> None:
     bandwidth = copy_bandwidth_gbps(device)
     gemm = gemm_tflops(device)
     print(f"copy bandwidth {bandwidth:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
-    pdl.set_enabled(args.pdl == "on")
+    if args.pdl is not None:
+        pdl.set_enabled(args.pdl == "on")
     engine = bench_engine(args.kv_cache_gb)
     if args.split_kv_max_batch is not None:
         engine.runner.attn_backend.split_kv_max_batch = args.split_kv_max_batch

@@ -46,6 +46,12 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if x2.shape[0]:
         grid = (x2.shape[0], triton.cdiv(d, block))
         _silu_and_mul_kernel[grid](
-            x2, out2, d, x2.stride(0), out2.stride(0), BLOCK=block, **launch_options(x.device)
+            x2,
+            out2,
+            d,
+            x2.stride(0),
+            out2.stride(0),
+            BLOCK=block,
+            **launch_options(x.device, starts_early=False, lets_next_start=True),
         )
     return out

@@ -32,6 +32,9 @@ from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
 
 BLOCK_N = 32  # tokens per tile
 MAX_SPLITS = 32
+# Both launches start early (``pdl.py``) up to this batch; at 64 requests that cost a
+# decode step 0.19 ms (engine_loop.py, H200), for reasons not pinned down.
+PDL_MAX_BATCH = 16
 
 
 @triton.jit
@@ -230,13 +233,14 @@ def decode_attention(
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NEW_KV=new_kv is not None, num_warps=4, **launch_options(q.device, streaming=True),
+        NEW_KV=new_kv is not None, num_warps=4,
+        **launch_options(q.device, starts_early=batch <= PDL_MAX_BATCH, lets_next_start=False),
     )  # fmt: skip
     _merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
-        **launch_options(q.device),
+        **launch_options(q.device, starts_early=batch <= PDL_MAX_BATCH, lets_next_start=True),
     )  # fmt: skip
     return out
 

@@ -268,7 +268,7 @@ def _launch(
         num_tokens, *k.stride()[:2], *v.stride()[:2], *strides,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, FP8=fp8,
         BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
-        **launch_options(k.device),
+        **launch_options(k.device, starts_early=False, lets_next_start=False),
     )  # fmt: skip
 
 

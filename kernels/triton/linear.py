@@ -21,12 +21,14 @@ to the host, so a call can be captured in a CUDA graph. Tiles come from
 ``default_config``, not from autotuning (which syncs and times kernels, also
 during capture); ``benchmarks/linear_roofline.py --sweep`` times alternatives.
 
-Measured on an H200 (``--sweep``, Qwen3-8B shapes): at one row the GEMV on
-``[16, 512]`` tiles without a K split beats cuBLAS by 4-10% per projection
-(5% on the LM head); at 4 to 64 rows cuBLAS is as fast or faster, so
-``linear`` takes the kernel for one row only. Splitting K was slower in every
-case measured (a 6144 x 4096 GEMV: 59 us split in two, 22 us unsplit); it stays
-available to ``small_m_linear`` through an explicit config.
+Measured on an H200 (Qwen3-8B shapes). Alone (``linear_roofline.py --sweep``):
+at one row the GEMV on ``[16, 512]`` tiles without a K split beats cuBLAS by
+4-10% per projection (5% on the LM head), and splitting its K was slower in
+every case (a 6144 x 4096 GEMV: 59 us split in two, 22 us unsplit). In a
+decode step's CUDA graph (``decode_linears.py``, 36 layers): 1.04x the weight
+bytes at one row against cuBLAS's 1.13x, and with ``tl.dot`` tiles and the K
+split of ``default_config`` 1.14-1.16x at 4 to 16 rows against 1.17-1.21x; at
+32 and 64 rows cuBLAS is faster, so ``linear`` takes the kernel up to 16 rows.
 
 Weight rows past N are not masked on load: they re-read row ``N - 1`` (always
 in bounds) and are dropped on store, so loads stay unmasked when
@@ -228,12 +230,13 @@ def small_m_linear(
         HAS_BIAS=has_bias, PARTIAL=partial, BLOCK_M=block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(x.device, streaming=True),
+        **launch_options(x.device, starts_early=True, lets_next_start=False),
     )  # fmt: skip
     if partial:
         _split_k_sum_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             dest, b, out, m, n, cfg.split_k, HAS_BIAS=has_bias, BLOCK=REDUCE_BLOCK,
-            num_warps=4, **launch_options(x.device),
+            num_warps=4,
+            **launch_options(x.device, starts_early=False, lets_next_start=True),
         )  # fmt: skip
     return out.view(*lead, n)
 

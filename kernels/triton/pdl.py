@@ -2,33 +2,41 @@
 
 A decode step of a few requests is a chain of short kernels (ten a layer at
 batch 1), and each one pays a launch and a ramp-up before its first byte moves.
-On Hopper and later a kernel launched with PDL is scheduled while the kernel
-before it on the stream is still running: its programs become resident, wait in
-``gdc_wait`` until that kernel has completed and its writes are visible, and
-then run, so the launch is hidden behind the previous kernel's tail. Launches
-captured into a CUDA graph keep this (programmatic edges).
+On Hopper and later a kernel launched with PDL may be scheduled before the
+kernel ahead of it on the stream has finished: its programs become resident,
+wait in ``gdc_wait`` until that kernel has completed and its writes are
+visible, and then run, so the launch hides behind the previous kernel. The
+previous kernel decides when: at its programs' exit, or as soon as it starts
+if it calls ``gdc_launch_dependents``. CUDA graph capture keeps these edges.
 
-Every kernel launched with PDL here opens with ``wait_previous_kernel(PDL)``, in
-every program, before it reads or writes anything:
+Every kernel here opens with ``wait_previous_kernel(PDL)``, in every program,
+before it reads or writes anything. ``PDL`` holds two flags
+(``launch_options``):
 
-- it waits for the previous kernel on the stream, then, in a short kernel, lets
-  the next kernel launch (``gdc_launch_dependents``). So at most one kernel
-  waits ahead. A kernel that streams memory at full rate (``streaming``: the
-  linears, split-KV attention, the KV store) does not: the next kernel then
-  launches as its programs exit. Programs waiting beside such a kernel slow it
-  down: 36 layers of one-row linears took 3.77 ms so against 3.49 ms without
-  PDL and 3.51 ms launching at exit (``benchmarks/decode_linears.py``, H200);
-- a kernel completes only after its wait returned, so it completes after the
-  kernel before it, and stream order holds across the whole chain, also for a
-  kernel that reads the output of one several launches back. Kernels that are
-  not launched with PDL (cuBLAS, FlashInfer, torch) wait for the previous
-  kernel's completion as usual.
+- ``WAIT``, for a kernel launched with PDL (``starts_early``): wait for the
+  previous kernel. A kernel completes only after its wait returned, so stream
+  order holds across the chain, also for a kernel that reads the output of one
+  several launches back; kernels launched without PDL (cuBLAS, FlashInfer,
+  torch, and ours with ``starts_early=False``) wait for the previous kernel's
+  completion as usual.
+- ``LAUNCH_NEXT``, for a short kernel (``lets_next_start``): then let the next
+  kernel launch. Since it comes after the wait, at most one kernel waits ahead.
 
-``launch_options(device)`` gives a launch's ``PDL`` constexpr and Triton's
-``launch_pdl`` flag: on for CUDA devices of compute capability 9.0 and up, off
-on older GPUs, on the CPU interpreter, and with ``SPLITSERVE_PDL=0`` (or
-``set_enabled(False)``, which a benchmark uses to compare; graphs captured
-before keep the launches they were captured with).
+Programs waiting beside a kernel that streams memory slow it down (H200,
+``benchmarks/decode_linears.py`` and ``engine_loop.py``): 36 layers of one-row
+linears took 3.77 ms with each letting the next start at once, against 3.49 ms
+without PDL, and batch-64 decode steps lost 0.15 ms when norms waited beside
+cuBLAS. So only kernels that follow a short kernel start early: the linears
+(after a norm, SiLU or attention), and split-KV attention (after the q/k norm)
+and its merge up to 16 requests (at 64 they cost a step 0.19 ms). Only short
+kernels let the next one start: norms, SiLU, q/k norm and rotary, the merge,
+the split-K sum. The linears and split-KV attention let the next kernel
+launch as their programs exit.
+
+PDL is on for CUDA devices of compute capability 9.0 and up; off on older GPUs,
+on the CPU interpreter, and with ``SPLITSERVE_PDL=0`` (or ``set_enabled(False)``,
+which a benchmark uses to compare; graphs captured before keep the launches
+they were captured with).
 """
 
 from __future__ import annotations
@@ -59,18 +67,23 @@ def enabled(device: torch.device) -> bool:
     return _enabled and device.type == "cuda" and _supports_pdl(device.index)
 
 
-def launch_options(device: torch.device, streaming: bool = False) -> dict:
-    """``kernel[grid](..., **launch_options(x.device))``: the ``PDL`` constexpr and,
-    when on, Triton's ``launch_pdl``. ``streaming``: the kernel streams memory at full
-    rate, so the next kernel launches only as its programs exit (module docstring)."""
+def launch_options(device: torch.device, *, starts_early: bool, lets_next_start: bool) -> dict:
+    """``kernel[grid](..., **launch_options(x.device, ...))``: the ``PDL`` constexpr and,
+    for ``starts_early``, Triton's ``launch_pdl`` (module docstring).
+
+    ``starts_early``: launch with PDL; for a kernel that follows a short one.
+    ``lets_next_start``: let the next kernel launch as soon as this one starts; for a
+    short kernel.
+    """
     if not enabled(device):
         return _OFF
-    return _AT_EXIT if streaming else _EARLY
+    flags = (WAIT if starts_early else 0) | (LAUNCH_NEXT if lets_next_start else 0)
+    return {"PDL": flags, "launch_pdl": True} if starts_early else {"PDL": flags}
 
 
+WAIT = 1  # launched with PDL: wait for the previous kernel first
+LAUNCH_NEXT = 2  # let the next kernel launch now
 _OFF = {"PDL": 0}
-_EARLY = {"PDL": 1, "launch_pdl": True}  # wait, then let the next kernel launch
-_AT_EXIT = {"PDL": 2, "launch_pdl": True}  # wait; the next launches as programs exit
 
 
 @functools.cache
@@ -82,8 +95,8 @@ def _supports_pdl(index: int | None) -> bool:
 
 @triton.jit
 def wait_previous_kernel(PDL: tl.constexpr):
-    """The first statement of a PDL kernel (module docstring); nothing when PDL is 0."""
-    if PDL:
+    """The first statement of every kernel here (module docstring); nothing when PDL is 0."""
+    if PDL & 1:  # WAIT (a jit function reads no plain module globals)
         gdc_wait()
-        if PDL == 1:
-            gdc_launch_dependents()
+    if PDL & 2:  # LAUNCH_NEXT
+        gdc_launch_dependents()

@@ -152,7 +152,7 @@ def qk_norm_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         cos_cache.stride(0), sin_cache.stride(0),
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)),
-        **launch_options(q.device),
+        **launch_options(q.device, starts_early=False, lets_next_start=True),
     )  # fmt: skip
     return q_out, k_out
 

@@ -90,7 +90,7 @@ def _launch(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor | None
             x2, res2, weight.contiguous(), out, res_out, hidden, eps,
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-            **launch_options(x.device),
+            **launch_options(x.device, starts_early=False, lets_next_start=True),
         )  # fmt: skip
     out = out.view(x.shape)
     return out, None if residual is None else res_out.view(x.shape)

@@ -109,6 +109,7 @@ def _rotate(x, cos, sin, positions, inplace: bool) -> torch.Tensor:
         x, out, cos, sin, positions, num_heads, head_dim, rotary_dim // 2,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
         COPY_PASS=not inplace and rotary_dim < head_dim,
-        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass, **launch_options(x.device),
+        BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        **launch_options(x.device, starts_early=False, lets_next_start=True),
     )  # fmt: skip
     return out

@@ -26,11 +26,30 @@ def pdl_switch():
     pdl.set_enabled(True)
 
 
-def test_off_on_the_cpu_and_when_disabled(pdl_switch):
-    assert pdl.launch_options(torch.device("cpu")) == {"PDL": False}
+FLAGS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("starts_early,lets_next_start", FLAGS)
+def test_off_on_the_cpu_and_when_disabled(pdl_switch, starts_early, lets_next_start):
+    flags = {"starts_early": starts_early, "lets_next_start": lets_next_start}
+    assert pdl.launch_options(torch.device("cpu"), **flags) == {"PDL": 0}
     pdl_switch(False)
     assert not pdl.enabled(torch.device("cuda", 0))
-    assert pdl.launch_options(torch.device("cuda", 0)) == {"PDL": False}
+    assert pdl.launch_options(torch.device("cuda", 0), **flags) == {"PDL": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("starts_early,lets_next_start", FLAGS)
+def test_flags_on_the_gpu(starts_early, lets_next_start):
+    options = pdl.launch_options(
+        torch.device("cuda"), starts_early=starts_early, lets_next_start=lets_next_start
+    )
+    if torch.cuda.get_device_capability() < (9, 0):
+        assert options == {"PDL": 0}
+        return
+    assert options["PDL"] == starts_early * pdl.WAIT + lets_next_start * pdl.LAUNCH_NEXT
+    assert options.get("launch_pdl", False) == starts_early
 
 
 def _weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
