@@ -25,13 +25,12 @@ before it reads or writes anything. ``PDL`` holds two flags
 Programs waiting beside a kernel that streams memory slow it down (H200,
 ``benchmarks/decode_linears.py`` and ``engine_loop.py``): 36 layers of one-row
 linears took 3.77 ms with each letting the next start at once, against 3.49 ms
-without PDL, and batch-64 decode steps lost 0.15 ms when norms waited beside
-cuBLAS. So only kernels that follow a short kernel start early: the linears
-(after a norm, SiLU or attention), and split-KV attention (after the q/k norm)
-and its merge up to 16 requests (at 64 they cost a step 0.19 ms). Only short
-kernels let the next one start: norms, SiLU, q/k norm and rotary, the merge,
-the split-K sum. The linears and split-KV attention let the next kernel
-launch as their programs exit.
+without PDL. So only kernels that follow a short kernel start early: the
+linears (after a norm, SiLU or attention), and split-KV attention (after the
+q/k norm) and its merge up to 16 requests (at 64 they cost a step 0.19 ms).
+Only short kernels let the next one start: norms, SiLU, q/k norm and rotary,
+the merge, the split-K sum. The linears and split-KV attention let the next
+kernel launch as their programs exit.
 
 PDL is on for CUDA devices of compute capability 9.0 and up; off on older GPUs,
 on the CPU interpreter, and with ``SPLITSERVE_PDL=0`` (or ``set_enabled(False)``,
