@@ -25,10 +25,11 @@ Measured on an H200 (Qwen3-8B shapes). Alone (``linear_roofline.py --sweep``):
 at one row the GEMV on ``[16, 512]`` tiles without a K split beats cuBLAS by
 4-10% per projection (5% on the LM head), and splitting its K was slower in
 every case (a 6144 x 4096 GEMV: 59 us split in two, 22 us unsplit). In a
-decode step's CUDA graph (``decode_linears.py``, 36 layers): 1.04x the weight
-bytes at one row against cuBLAS's 1.13x, and with ``tl.dot`` tiles and the K
-split of ``default_config`` 1.14-1.16x at 4 to 16 rows against 1.17-1.21x; at
-32 and 64 rows cuBLAS is faster, so ``linear`` takes the kernel up to 16 rows.
+decode step's CUDA graph (``decode_linears.py``, 36 layers): 1.07x the weight
+bytes at one row against cuBLAS's 1.18x, and with ``tl.dot`` tiles and the K
+split of ``default_config`` 1.17-1.18x at 8 and 16 rows against 1.22-1.26x; at
+32 rows they tie and at 64 cuBLAS is faster (1.25x against 1.33x), so
+``linear`` takes the kernel up to 16 rows.
 
 Weight rows past N are not masked on load: they re-read row ``N - 1`` (always
 in bounds) and are dropped on store, so loads stay unmasked when
