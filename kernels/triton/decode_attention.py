@@ -30,7 +30,7 @@ import triton.language as tl
 from splitserve.kernels.decode_attention import check_shapes
 from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
 
-BLOCK_N = 32  # tokens per tile
+BLOCK_N = 64  # tokens per tile: 0.89 of the KV floor at batch 64 against 0.82 with 32 (H200)
 MAX_SPLITS = 32
 # Both launches start early (``pdl.py``) up to this batch; at 64 requests that cost a
 # decode step 0.19 ms (engine_loop.py, H200), for reasons not pinned down.
