@@ -179,3 +179,31 @@ def serving(config: dict, directory: Path, startup_s: float = 180.0) -> Iterator
             proc.kill()
     assert proc.returncode == 0, "".join(log[-40:])
     assert any("shutting down" in line for line in log)
+
+
+def offline_greedy(model_dir: Path, num_blocks: int, max_model_len: int):
+    """Greedy continuations from the offline engine (one step read back at a time),
+    token ids in, token ids out: what the served completions must equal."""
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.scheduler.sampling_params import SamplingParams
+    from splitserve.workers.engine import LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            cache=CacheConfig(num_kv_blocks=num_blocks),
+            scheduler=SchedulerConfig(max_model_len=max_model_len, async_scheduling=False),
+        )
+    )
+
+    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        rid = f"r{time.monotonic_ns()}"
+        engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+        tokens = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens += out.new_token_ids
+        return tokens
+
+    return generate

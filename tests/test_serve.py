@@ -19,11 +19,8 @@ import time
 
 import pytest
 
-from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.engine import LLMEngine
 from tests import checkpoints
-from tests.serve_harness import Server, one_prefill_one_decode_config, serving
+from tests.serve_harness import Server, offline_greedy, one_prefill_one_decode_config, serving
 
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 256
@@ -44,26 +41,7 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    """Greedy continuations from the offline engine, token ids in, token ids out."""
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            device="cpu",
-            cache=CacheConfig(num_kv_blocks=NUM_BLOCKS),
-            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN),
-        )
-    )
-
-    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
-        rid = f"r{time.monotonic_ns()}"
-        engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
-        tokens = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens += out.new_token_ids
-        return tokens
-
-    return generate
+    return offline_greedy(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
 
 
 LONG_PROMPT = (

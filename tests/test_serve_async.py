@@ -13,11 +13,8 @@ import time
 
 import pytest
 
-from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.engine import LLMEngine
 from tests import checkpoints
-from tests.serve_harness import one_prefill_one_decode_config, serving
+from tests.serve_harness import offline_greedy, one_prefill_one_decode_config, serving
 from tests.test_serve import LONG_PROMPT, SHORT_PROMPT, _completion, _open_stream
 
 pytestmark = pytest.mark.slow
@@ -39,29 +36,17 @@ def server(model_dir, tmp_path_factory):
         yield server
 
 
-def _offline_greedy(model_dir, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(model_dir),
-            device="cpu",
-            cache=CacheConfig(num_kv_blocks=NUM_BLOCKS),
-            scheduler=SchedulerConfig(max_model_len=MAX_MODEL_LEN, async_scheduling=False),
-        )
-    )
-    engine.add_request("r", prompt_ids, SamplingParams(max_tokens=max_tokens, temperature=0))
-    tokens = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-    return tokens
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return offline_greedy(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
 
 
-def test_greedy_completions_match_the_sync_offline_engine(server, model_dir):
+def test_greedy_completions_match_the_sync_offline_engine(server, offline):
     for prompt in (LONG_PROMPT * 2, SHORT_PROMPT):
         status, body = server.post("/v1/completions", _completion(prompt))
         assert status == 200, body
         (choice,) = body["choices"]
-        assert choice["token_ids"] == _offline_greedy(model_dir, body["prompt_token_ids"], 16)
+        assert choice["token_ids"] == offline(body["prompt_token_ids"], 16)
         chunks = server.stream("/v1/completions", _completion(prompt))
         streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
         assert streamed == choice["token_ids"]

@@ -38,13 +38,14 @@ in bounds) and are dropped on store, so loads stay unmasked when
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from splitserve.kernels.triton.device import sm_count
 from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
 
 MAX_M = 16  # ``linear`` uses the kernel up to this many rows, cuBLAS above (measured)
@@ -221,7 +222,7 @@ def small_m_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         return F.linear(x, weight, bias) if k == 0 else out.view(*lead, n)
-    cfg = config or default_config(m, n, k, _sm_count(x.device))
+    cfg = config or default_config(m, n, k, sm_count(x.device, off_gpu=132))  # CPU: an H200's
     block_m = cfg.block_m(m)
     has_bias, partial = bias is not None, cfg.split_k > 1
     b = bias if has_bias else out  # a placeholder when there is none: never read
@@ -246,28 +247,16 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> LinearConfig:
     """Tiles for ``[m, k] @ [n, k]^T`` on a GPU of ``num_sms`` SMs (module docstring).
 
     One row: the GEMV on ``[16, 512]`` tiles, no K split. More rows: ``tl.dot`` on
-    ``[32, 128]`` tiles (``[64, 128]`` when N alone gives two programs an SM), and
-    K split in two until the grid has 1.5 programs an SM. Four warps, four stages.
+    ``[32, 128]`` tiles (``[64, 128]`` when N alone gives two programs an SM), with
+    K split in 2, 4, ... until the grid has over 1.5 programs an SM. Four warps, four
+    stages.
     """
+    block_k = max(triton.next_power_of_2(k), 16)
     if m == 1:
-        cfg = LinearConfig(block_n=16, block_k=512, num_warps=4, num_stages=4, use_dot=False)
-    else:
-        block_n = 64 if triton.cdiv(n, 64) >= 2 * num_sms else 32
-        block_k = min(128, max(triton.next_power_of_2(k), 16))
-        split = 1
-        while 2 * triton.cdiv(n, block_n) * split <= 3 * num_sms and k >= 4 * split * block_k:
-            split *= 2
-        cfg = LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=True)
-    return replace(cfg, block_k=min(cfg.block_k, max(triton.next_power_of_2(k), 16)))
-
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: the tiles of an H200
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
+        return LinearConfig(16, min(512, block_k), num_warps=4, num_stages=4, use_dot=False)
+    block_n = 64 if triton.cdiv(n, 64) >= 2 * num_sms else 32
+    block_k = min(128, block_k)
+    split = 1
+    while 2 * triton.cdiv(n, block_n) * split <= 3 * num_sms and k >= 4 * split * block_k:
+        split *= 2
+    return LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=True)

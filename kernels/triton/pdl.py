@@ -40,12 +40,13 @@ they were captured with).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from splitserve.kernels.triton.device import capability
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -63,7 +64,7 @@ def set_enabled(enabled: bool) -> None:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on ``device`` now use PDL."""
-    return _enabled and device.type == "cuda" and _supports_pdl(device.index)
+    return _enabled and device.type == "cuda" and capability(device) >= (9, 0)
 
 
 def launch_options(device: torch.device, *, starts_early: bool, lets_next_start: bool) -> dict:
@@ -80,22 +81,17 @@ def launch_options(device: torch.device, *, starts_early: bool, lets_next_start:
     return {"PDL": flags, "launch_pdl": True} if starts_early else {"PDL": flags}
 
 
+# The flags of ``PDL``; ``wait_previous_kernel`` spells them as literals (Triton's
+# interpreter cannot combine a launch's int with a constexpr global).
 WAIT = 1  # launched with PDL: wait for the previous kernel first
 LAUNCH_NEXT = 2  # let the next kernel launch now
 _OFF = {"PDL": 0}
 
 
-@functools.cache
-def _supports_pdl(index: int | None) -> bool:
-    if index is None:
-        index = torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 @triton.jit
 def wait_previous_kernel(PDL: tl.constexpr):
     """The first statement of every kernel here (module docstring); nothing when PDL is 0."""
-    if PDL & 1:  # WAIT (a jit function reads no plain module globals)
+    if PDL & 1:  # WAIT
         gdc_wait()
     if PDL & 2:  # LAUNCH_NEXT
         gdc_launch_dependents()

@@ -12,6 +12,7 @@ CASES = [
     ([40, 9], 8, 2, 32, 8, 2),
     ([70], 6, 6, 64, 16, 8),  # no grouping
     ([12, 3], 4, 1, 80, 4, 2),  # head_dim not a power of two
+    ([150, 20], 4, 2, 16, 4, 1),  # a run of several tiles: the online softmax rescales
 ]
 GPU_CASES = [
     ([1024], 32, 8, 128, 16, None),  # Qwen3-8B, batch 1, 1k context
