@@ -147,3 +147,27 @@ def linear(
     (decode) in bf16 / fp16, ``F.linear`` (cuBLAS) for anything else."""
     kernels = _triton("linear") if use_triton(x) else dense
     return kernels.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(
+    x: torch.Tensor,  # [..., 2K]: gate | up
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [..., N]
+    """``linear(silu_and_mul(x), weight, bias)``; on CUDA one kernel for up to 16 rows."""
+    kernels = _triton("linear") if use_triton(x) else dense
+    return kernels.silu_and_mul_linear(x, weight, bias)
+
+
+def rms_norm_linear(
+    x: torch.Tensor,  # [..., K]
+    residual: torch.Tensor | None,  # like x
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [..., N], [..., K]
+    """``(linear(rms_norm(x + residual)), x + residual)``, or of x alone without a
+    residual; on CUDA one kernel for one row (a decode step of one request)."""
+    kernels = _triton("linear") if use_triton(x) else dense
+    return kernels.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)

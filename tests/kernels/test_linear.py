@@ -16,7 +16,9 @@ import torch.nn.functional as F
 from splitserve.kernels import linear as reference
 from splitserve.kernels import ops
 from splitserve.kernels.triton import linear as tri
+from splitserve.kernels.triton.activation import silu_and_mul
 from splitserve.kernels.triton.linear import LinearConfig, default_config
+from splitserve.kernels.triton.rmsnorm import rms_norm
 from splitserve.workers.layers.linear import Linear, MergedLinear
 from tests.kernels.utils import (
     DEVICE,
@@ -95,6 +97,62 @@ def test_default_config_matches_reference(shape, m, dtype):
     assert tri.supported(x, w, b) == (m <= tri.MAX_M)
     assert_close(tri.small_m_linear(x, w, b), want(x, w, b), dtype)
     assert_close(tri.linear(x, w, b), want(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m,use_dot", [(1, False)] + [(m, True) for m in ROWS])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_silu_and_mul_linear_is_the_two_kernels_in_one(shape, m, use_dot, split_k, dtype):
+    """The activation computed on load rounds as the SiLU kernel does: bitwise the
+    output of that kernel followed by the linear, and close to the float32 reference."""
+    n, k = shape
+    gate_up = randn(m, 2 * k, dtype=dtype)
+    _, w, b = operands(m, n, k, dtype, bias=True)
+    config = LinearConfig(block_n=16, block_k=64, split_k=split_k, use_dot=use_dot)
+    got = tri.silu_and_mul_linear(gate_up, w, b, config)
+    assert torch.equal(got, tri.small_m_linear(silu_and_mul(gate_up), w, b, config))
+    want_silu = reference.silu_and_mul_linear(gate_up.float(), w.float(), b.float())
+    assert_close(got, want_silu, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", SHAPES + [pytest.param((6144, 4096), marks=pytest.mark.gpu)])
+def test_rms_norm_linear_fuses_the_add_norm_into_one_row(shape, bias, with_residual, dtype):
+    """One row: one kernel, every program norming the row itself. The sum it hands on is
+    bitwise the add-norm kernel's; the output is the two kernels' within rounding (the
+    norm's sum of squares may add in another order). The inputs are left alone."""
+    n, k = shape
+    x, w, b = operands(1, n, k, dtype, bias)
+    residual = randn(1, k, dtype=dtype) if with_residual else None
+    norm_w = (1 + randn(k) / 4).to(dtype)
+    x_before = x.clone()
+    got, got_residual = tri.rms_norm_linear(x, residual, norm_w, 1e-6, w, b)
+    if residual is None:
+        normed, want_residual = rms_norm(x, norm_w, 1e-6), x
+    else:
+        normed, want_residual = rms_norm(x, norm_w, 1e-6, residual)
+    assert torch.equal(got_residual, want_residual) and torch.equal(x, x_before)
+    assert_close(got, tri.small_m_linear(normed, w, b), dtype)
+    want_ref = reference.rms_norm_linear(
+        x.float(), None if residual is None else residual.float(), norm_w.float(), 1e-6,
+        w.float(), None if b is None else b.float(),
+    )  # fmt: skip
+    assert_close(got, want_ref[0], dtype)
+
+
+def test_rms_norm_linear_runs_the_two_kernels_for_more_rows(monkeypatch):
+    x, w, b = operands(3, 40, 96, torch.bfloat16, bias=True)
+    residual, norm_w = randn(3, 96, dtype=torch.bfloat16), randn(96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one-row GEMV"):
+        tri.small_m_linear(x[:1], w, b, LinearConfig(16, 64), norm=(None, norm_w, 1e-6, None))
+    monkeypatch.setattr(tri, "_linear_kernel", None)  # the fused launch would raise
+    monkeypatch.setattr(tri, "small_m_linear", lambda x, w, b, config: F.linear(x, w, b))
+    got, got_residual = tri.rms_norm_linear(x, residual, norm_w, 1e-6, w, b)
+    normed, want_residual = rms_norm(x, norm_w, 1e-6, residual)
+    assert torch.equal(got, F.linear(normed, w, b)) and torch.equal(got_residual, want_residual)
 
 
 def test_leading_dims_and_strided_rows():

@@ -80,6 +80,24 @@ def test_silu_and_mul(dtype):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("residual", [True, False])
+def test_linears_with_their_input_op(residual):
+    """The add-norm and SiLU-and-mul taken into a one-row linear, in bf16 (the kernel's
+    dtypes; the interpreter rounds bf16 by truncation, hence no bitwise check). More rows
+    run the two kernels: ``test_linear.py``, whose fixture mends the interpreter's bf16 dot."""
+    dtype, rows = torch.bfloat16, 1
+    x, res = randn(rows, 64, dtype=dtype), randn(rows, 64, dtype=dtype) if residual else None
+    norm_w, w = (1 + 0.1 * randn(64)).to(dtype), (randn(40, 64) / 8).to(dtype)
+    (got, got_res), (want, want_res) = both_branches(
+        lambda: ops.rms_norm_linear(x, res, norm_w, 1e-6, w)
+    )
+    assert_close(got, want, dtype)
+    assert_close(got_res, want_res, dtype)
+    gate_up = randn(rows, 128, dtype=dtype)
+    got, want = both_branches(lambda: ops.silu_and_mul_linear(gate_up, w))
+    assert_close(got, want, dtype)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_routing(bias):
     logits = randn(9, 16)

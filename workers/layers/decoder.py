@@ -10,6 +10,7 @@ from splitserve.workers.forward_batch import ForwardBatch
 from splitserve.workers.layers.attention import Attention
 from splitserve.workers.layers.layernorm import RMSNorm
 from splitserve.workers.layers.linear import Linear, QKVLinear
+from splitserve.workers.layers.mlp import GatedMLP
 from splitserve.workers.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -45,7 +46,16 @@ class RopeAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x)
+        return self.attend(positions, self.qkv_proj(x), forward_batch)
+
+    def attend(
+        self,
+        positions: torch.Tensor,
+        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Everything after the qkv projection, from its ``(q, k, v)``."""
+        q, k, v = qkv
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
@@ -60,7 +70,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden state.
 
     ``forward`` returns ``(hidden, residual)`` with the last add left for the
-    next layer's fused add-norm (or the final norm).
+    next layer's fused add-norm (or the final norm). Each add-norm goes with the
+    projection after it (``RMSNorm.project``: one kernel for a one-row decode), as
+    does a gated MLP's activation with its down projection.
     """
 
     def __init__(self, self_attn: RopeAttention, mlp: nn.Module, hidden: int, rms_norm_eps: float):
@@ -77,10 +89,14 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
+        attn = self.self_attn
+        qkv, residual = self.input_layernorm.project(hidden, residual, attn.qkv_proj)
+        hidden = attn.attend(positions, attn.qkv_proj.split(qkv), forward_batch)
+        if isinstance(self.mlp, GatedMLP):
+            mlp = self.mlp
+            gate_up, residual = self.post_attention_layernorm.project(
+                hidden, residual, mlp.gate_up_proj
+            )
+            return mlp.down(gate_up), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

@@ -1,11 +1,12 @@
-"""RMSNorm with the residual add of a decoder layer fused in."""
+"""RMSNorm with the residual add of a decoder layer fused in, and into the projection
+that reads it where the kernels allow (``project``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from splitserve.kernels.ops import rms_norm
+from splitserve.kernels.ops import rms_norm, rms_norm_linear
 
 
 class RMSNorm(nn.Module):
@@ -19,3 +20,10 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
         return rms_norm(x, self.weight, self.eps, residual)
+
+    def project(
+        self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(proj's matmul of norm(x + residual), x + residual)``; without ``residual``
+        of x, and x. ``proj`` is a ``Linear`` or ``MergedLinear``: its raw output."""
+        return rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)

@@ -61,7 +61,11 @@ class QKVLinear(MergedLinear):
         self.sizes = (q, kv, kv)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return super().forward(x).split(self.sizes, dim=-1)
+        return self.split(super().forward(x))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v)`` views of the fused projection's output."""
+        return qkv.split(self.sizes, dim=-1)
 
 
 class GateUpLinear(MergedLinear):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.kernels.ops import silu_and_mul
+from splitserve.kernels.ops import silu_and_mul_linear
 from splitserve.workers.layers.linear import GateUpLinear, Linear
 
 
@@ -18,4 +18,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The down projection of ``silu(gate) * up``, the activation fused into it."""
+        return silu_and_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
