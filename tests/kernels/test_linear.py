@@ -247,7 +247,7 @@ def test_model_projections_and_lm_head_call_ops_linear(preset, monkeypatch):
     want_logits = prefill_then_decode(model, prompts())
     calls = []
 
-    def spy(x, weight, bias=None):
+    def spy(x, weight, bias=None, config=None):
         calls.append(weight.shape[0])
         return F.linear(x, weight, bias)
 
