@@ -154,7 +154,7 @@ def silu_and_mul_linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [..., N]
-    """``linear(silu_and_mul(x), weight, bias)``; on CUDA one kernel for up to 16 rows."""
+    """``linear(silu_and_mul(x), weight, bias)``; on CUDA one kernel for one row."""
     kernels = _triton("linear") if use_triton(x) else dense
     return kernels.silu_and_mul_linear(x, weight, bias)
 

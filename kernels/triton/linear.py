@@ -264,7 +264,7 @@ def silu_and_mul_linear(
     bias: torch.Tensor | None = None,
     config: LinearConfig | None = None,
 ) -> torch.Tensor:  # [..., N]
-    """``linear(silu_and_mul(x), weight, bias)``; for few rows one kernel that computes
+    """``linear(silu_and_mul(x), weight, bias)``; for one row one kernel that computes
     the activation as it loads its input (no launch, no buffer of its own)."""
     if x.shape[-1] % 2:
         raise ValueError(f"x must hold gate | up halves; got an odd last dim {x.shape[-1]}")
@@ -285,8 +285,8 @@ def rms_norm_linear(
     config: LinearConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [..., N], [..., K]
     """``(linear(rms_norm(x + residual)), x + residual)`` (without ``residual``: of x, and
-    x). For one row one kernel: each program norms the row for itself (it reads all of
-    it anyway), and the first stores the sum; ``rmsnorm.py`` otherwise."""
+    x). For one row one kernel: each program norms the row for itself as it streams it
+    (the module docstring), and the first stores the sum; ``rmsnorm.py`` otherwise."""
     k = x.shape[-1]
     fused = (
         supported(x, weight, bias)
