@@ -281,3 +281,32 @@ def test_benchmark_sweep_grid_and_totals():
     (total,) = bench.decode_totals(rows)
     calls = 4 * bench.LAYERS + 1
     assert total["floor_us"] == calls and total["speedup"] == pytest.approx(4 / 3)
+
+
+def test_dense_layers_take_their_add_norms_and_activation_into_the_linears(monkeypatch):
+    """Each qwen3 layer's two add-norms go into its qkv and gate_up matmuls
+    (``rms_norm_linear``), its SiLU-and-mul into down (``silu_and_mul_linear``): the
+    calls that one-row decode fuses. The logits are unchanged."""
+    model = tiny_model("qwen3-tiny", torch.float32, DEVICE)
+    want_logits = prefill_then_decode(model, prompts())
+    calls = []
+
+    def spy(name, weight_at, original):
+        def call(*args):
+            calls.append((name, args[weight_at].shape[0]))
+            return original(*args)
+
+        return call
+
+    for name, weight_at in (("rms_norm_linear", 4), ("silu_and_mul_linear", 1)):
+        for module in (reference, tri):
+            monkeypatch.setattr(module, name, spy(name, weight_at, getattr(module, name)))
+    assert torch.equal(prefill_then_decode(model, prompts()), want_logits)
+    per_layer = []
+    for layer in model.model.layers:
+        per_layer += [
+            ("rms_norm_linear", layer.self_attn.qkv_proj.weight.shape[0]),
+            ("rms_norm_linear", layer.mlp.gate_up_proj.weight.shape[0]),
+            ("silu_and_mul_linear", layer.mlp.down_proj.weight.shape[0]),
+        ]
+    assert sorted(calls) == sorted(2 * per_layer)  # the prefill and the decode step

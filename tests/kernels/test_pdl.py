@@ -1,12 +1,13 @@
 """Programmatic dependent launch (``kernels/triton/pdl.py``).
 
-On the GPU a decode layer's chain of kernels (add-norm, one-row linears, SiLU,
-q/k norm with rotary, split-KV attention and its merge) runs with PDL on and
-off, eagerly and replayed from a CUDA graph: every result must be bitwise the
-same, since each kernel waits for the one before it before it reads anything.
-A kernel that read its input before the previous kernel finished writing it
-would change the results (the residual is read two launches after it is
-written, the attention reads the KV row stored in the same launch chain).
+On the GPU a decode layer's chain of kernels, as the model runs it at one row
+(one-row linears with the add-norm or SiLU-and-mul fused in, q/k norm with
+rotary, split-KV attention and its merge), runs with PDL on and off, eagerly and
+replayed from a CUDA graph: every result must be bitwise the same, since each
+kernel waits for the one before it before it reads anything. A kernel that read
+its input before the previous kernel finished writing it would change the
+results (the residual is read two or more launches after it is written, the
+attention reads the KV row stored in the same launch chain).
 """
 
 import pytest
@@ -76,8 +77,7 @@ def _decode_layers(x, residual, weights, caches, cos, sin, positions, tables, le
     from splitserve.kernels.triton.decode_attention import decode_attention
 
     for k_cache, v_cache in caches:
-        h, residual = ops.rms_norm(x, weights["ln1"], 1e-6, residual)
-        qkv = ops.linear(h, weights["qkv"])
+        qkv, residual = ops.rms_norm_linear(x, residual, weights["ln1"], 1e-6, weights["qkv"])
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
         q = q.view(-1, HEADS, HEAD_DIM)
         k, v = k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
@@ -88,8 +88,10 @@ def _decode_layers(x, residual, weights, caches, cos, sin, positions, tables, le
             q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, new_kv=(k, v, slots)
         )
         x = ops.linear(attn.view(-1, HEADS * HEAD_DIM), weights["o"])
-        h, residual = ops.rms_norm(x, weights["ln2"], 1e-6, residual)
-        x = ops.linear(ops.silu_and_mul(ops.linear(h, weights["gate_up"])), weights["down"])
+        gate_up, residual = ops.rms_norm_linear(
+            x, residual, weights["ln2"], 1e-6, weights["gate_up"]
+        )
+        x = ops.silu_and_mul_linear(gate_up, weights["down"])
     return x, residual
 
 
