@@ -27,8 +27,9 @@ its compute).
 - gather / scatter alone: the transport's index_select / index_copy_ kernels
   for all layers on one GPU, without any transfer.
 - cpu: the CPU transport (bytes in the TCP frames) on a --cpu-tokens prompt.
-- host times: the sender's per-message issue (gather launch, NCCL send) and the
-  receiver's posting of every receive and scatter, summed per transfer.
+- host times: the sender's gathers (one launch per layer, with their event waits)
+  and sends, and the receiver's posting of every receive and scatter, summed per
+  transfer.
 - --timeline: one more hand-off with CUDA events around each gather, send,
   receive and scatter, and host instants on the GPU's clock (the sender's
   start, the receiver's "done" frame and end stamp), printed per GPU (where
@@ -438,7 +439,7 @@ def main() -> None:
         "--first-message-layers",
         type=int,
         nargs="+",
-        default=[2],
+        default=[1],
         help="the plan's first (and last) message size; rows for each, by --layers-per-message",
     )
     ap.add_argument(

@@ -27,12 +27,11 @@ class _Stamp:
 
 
 class StampedNccl(_Stamp, NcclKVTransport):
-    """Also stamps the host work per transfer: the sender's message issues (gather and
-    send launches) and the receiver's posting of all receives and scatters."""
+    """Also stamps the host work per transfer: the sender's gathers (with their event
+    waits) and sends, and the receiver's posting of all receives and scatters."""
 
     def __init__(self, *args, **kwargs):
         self.host: dict[str, dict[str, float]] = {}
-        self._issuing = {"gather_s": 0.0}  # the stamps of the transfer being issued
         # With --timeline: (what, begin, end) CUDA events around each gather, send,
         # receive and scatter, in queue order (None: off).
         self.gpu_marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
@@ -97,36 +96,46 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
         return [(w, at(b), at(e)) for w, b, e in marks]
 
-    def _issue(self, pair, out, send) -> None:
-        h = self.host.setdefault(
-            out.ticket.request_id, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0}
+    def _host(self, rid: str) -> dict[str, float]:
+        return self.host.setdefault(rid, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0})
+
+    def _gather_layers(self, pair, out, send, end) -> None:
+        h = self._host(out.ticket.request_id)
+        begin = time.perf_counter()
+        super()._gather_layers(pair, out, send, end)
+        spent = time.perf_counter() - begin
+        h["gather_s"] += spent
+        h["issue_s"] += spent
+
+    def _stage_layers(self, pair, out, send, first, layers, offset) -> None:
+        queue = lambda: super(StampedNccl, self)._stage_layers(  # noqa: E731
+            pair, out, send, first, layers, offset
         )
+        self._span(f"gather {first}+{layers}", pair.copy_stream, queue)
+
+    def _issue(self, pair, send) -> None:
+        h = self._host(pair.sending[0].ticket.request_id)
         nccl_send = pair.send
 
         def timed_send(buf, nbytes) -> None:
-            begin = time.perf_counter()
             self._span(f"send {send.issued}", pair.nccl_stream, lambda: nccl_send(buf, nbytes))
-            h["nccl_send_s"] += time.perf_counter() - begin
 
-        pair.send, self._issuing = timed_send, h
+        pair.send = timed_send
         begin = time.perf_counter()
         try:
-            super()._issue(pair, out, send)
+            super()._issue(pair, send)
         finally:
             del pair.send
         end = time.perf_counter()
+        h["nccl_send_s"] += end - begin
         h["issue_s"] += end - begin
         h["last_issue_at"] = end
 
-    def gather(self, first, slots, out, stream=None) -> None:
-        begin = time.perf_counter()
-        queue = lambda: super(StampedNccl, self).gather(first, slots, out, stream)  # noqa: E731
-        self._span(f"gather {first}+{out.shape[0]}", stream or torch.cuda.current_stream(), queue)
-        self._issuing["gather_s"] += time.perf_counter() - begin
-
-    def scatter(self, first, slots, kv, live=None, stream=None) -> None:
-        queue = lambda: super(StampedNccl, self).scatter(first, slots, kv, live, stream)  # noqa: E731
-        self._span(f"scatter {first}+{kv.shape[0]}", stream or torch.cuda.current_stream(), queue)
+    def _unstage_layers(self, pair, recv, message, buf, offset, inc) -> None:
+        queue = lambda: super(StampedNccl, self)._unstage_layers(  # noqa: E731
+            pair, recv, message, buf, offset, inc
+        )
+        self._span(f"scatter {message[0]}+{message[1]}", pair.copy_stream, queue)
 
     def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
         begin = time.perf_counter()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy
 import torch
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class KVGatherKernel:
     ) -> None:
         """``out[j] = (K, V)[slots]`` of layer ``first + j``, on ``stream`` (default: the
         current stream)."""
-        self._launch(True, first, slots, out, 0, stream)
+        self._check_buffer(first, slots, out)
+        self.bind(slots, out, stream).gather(first, out.shape[0])
 
     def scatter(
         self,
@@ -118,56 +120,107 @@ class KVGatherKernel:
         stream: torch.cuda.Stream | None = None,
     ) -> None:
         """``(K, V)[slots] = kv[j]`` for layer ``first + j``, unless ``live`` holds 0 then."""
+        self._check_buffer(first, slots, kv)
+        self.bind(slots, kv, stream, live).scatter(first, kv.shape[0])
+
+    def bind(
+        self,
+        slots: torch.Tensor,
+        staging: torch.Tensor,
+        stream: torch.cuda.Stream | None = None,
+        live: torch.Tensor | None = None,
+    ) -> KVCopyLaunch:
+        """Launches between ``slots`` and a flat ``staging`` buffer, checked here once."""
+        if slots.dtype != torch.int64 or slots.device != self.device or slots.dim() != 1:
+            raise ValueError(f"slots must be 1-D int64 on {self.device}, got {slots.dtype}")
+        if not slots.is_contiguous():
+            raise ValueError("slots must be contiguous")
+        if staging.device != self.device or not staging.is_contiguous():
+            raise ValueError(f"the staging buffer must be contiguous on {self.device}")
         if live is not None and (live.dtype != torch.int32 or live.device != self.device):
             raise ValueError(f"live must be an int32 tensor on {self.device}, got {live}")
-        self._launch(False, first, slots, kv, 0 if live is None else live.data_ptr(), stream)
-
-    def _launch(self, gather: bool, first: int, slots, buf, live: int, stream) -> None:
-        # A transfer launches this once per message on its hot path: the stream and the
-        # device are passed, not entered as contexts.
-        import cupy
-        import numpy
-
-        self._check(first, slots, buf)
-        rows = buf.shape[0] * 2 * slots.numel()
-        if rows == 0:
-            return
         if stream is None:
             stream = torch.cuda.current_stream(self.device)
-        handle = stream.cuda_stream
-        cupy_stream = self._streams.get(handle)
-        if cupy_stream is None:
-            cupy_stream = self._streams[handle] = cupy.cuda.ExternalStream(handle)
-        args = (
-            numpy.uint64(self.table.data_ptr()),
-            numpy.int32(first),
-            numpy.uint64(slots.data_ptr()),
-            numpy.int64(slots.numel()),
-            numpy.int32(self.words),
-            numpy.uint64(buf.data_ptr()),
-        )
-        if not gather:
-            args += (numpy.uint64(live),)
-        kernel, block = self._kernels[gather], (min(self.words, 256),)
-        if cupy.cuda.runtime.getDevice() == self.device.index:
-            kernel((rows,), block, args, stream=cupy_stream)
-        else:
-            with cupy.cuda.Device(self.device.index):
-                kernel((rows,), block, args, stream=cupy_stream)
+        return KVCopyLaunch(self, slots, staging, stream, live)
 
-    def _check(self, first: int, slots: torch.Tensor, buf: torch.Tensor) -> None:
+    def _check_buffer(self, first: int, slots: torch.Tensor, buf: torch.Tensor) -> None:
+        """``buf`` is ``[layers, 2, tokens, row]`` of layers that exist."""
         layers = buf.shape[0]
         if not 0 <= first <= first + layers <= self.num_layers:
             raise ValueError(f"layers {first}..{first + layers - 1} of {self.num_layers}")
-        if slots.dtype != torch.int64 or slots.device != self.device or slots.dim() != 1:
-            raise ValueError(f"slots must be 1-D int64 on {self.device}, got {slots.dtype}")
         expected = layers * 2 * slots.numel() * self.words * 16
         nbytes = buf.numel() * buf.element_size()
-        if buf.device != self.device or not buf.is_contiguous() or nbytes != expected:
+        if nbytes != expected:
             raise ValueError(
-                f"buffer must be contiguous on {self.device} with {expected} bytes "
-                f"([{layers}, 2, {slots.numel()}, row]), got {tuple(buf.shape)} {buf.dtype} "
-                f"on {buf.device}"
+                f"buffer must have {expected} bytes ([{layers}, 2, {slots.numel()}, row]), "
+                f"got {tuple(buf.shape)} {buf.dtype}"
             )
-        if not slots.is_contiguous():
-            raise ValueError("slots must be contiguous")
+
+    def function(self, gather: bool):
+        """The compiled gather (True) or scatter (False) kernel."""
+        return self._kernels[gather]
+
+    def cupy_stream(self, stream: torch.cuda.Stream):
+        """A cupy view of a torch stream, made once per stream."""
+        import cupy
+
+        handle = stream.cuda_stream
+        view = self._streams.get(handle)
+        if view is None:
+            view = self._streams[handle] = cupy.cuda.ExternalStream(handle)
+        return view
+
+
+class KVCopyLaunch:
+    """Gathers or scatters of one token list, between the cache and one staging buffer.
+
+    Made by ``KVGatherKernel.bind``, which checks the slots, buffer and stream once;
+    a launch then takes only a layer range and a byte offset into the buffer. A KV
+    hand-off launches once per layer on its hot path, so the launch does no more
+    host work than the kernel call itself.
+    """
+
+    def __init__(self, kernel: KVGatherKernel, slots, staging, stream, live) -> None:
+        import cupy
+
+        self.kernel = kernel
+        self.layer_bytes = 2 * slots.numel() * kernel.words * 16  # K and V of one layer
+        self._rows_per_layer = 2 * slots.numel()
+        self._staging, self._end = staging.data_ptr(), staging.numel() * staging.element_size()
+        self._stream = kernel.cupy_stream(stream)
+        self._block = (min(kernel.words, 256),)
+        self._table = numpy.uint64(kernel.table.data_ptr())
+        self._slots = (numpy.uint64(slots.data_ptr()), numpy.int64(slots.numel()))
+        self._words = numpy.int32(kernel.words)
+        self._live = (numpy.uint64(0 if live is None else live.data_ptr()),)
+        self._on_device = cupy.cuda.Device(kernel.device.index)
+        self._current_device = cupy.cuda.runtime.getDevice
+
+    def gather(self, first: int, layers: int, offset: int = 0) -> None:
+        """Layers ``first .. first + layers - 1`` into the buffer from byte ``offset``."""
+        self._launch(True, first, layers, offset, ())
+
+    def scatter(self, first: int, layers: int, offset: int = 0) -> None:
+        """The buffer from byte ``offset`` into layers ``first ..``; nothing while the
+        bound ``live`` flag holds 0."""
+        self._launch(False, first, layers, offset, self._live)
+
+    def _launch(self, gather: bool, first: int, layers: int, offset: int, extra) -> None:
+        if not 0 <= first <= first + layers <= self.kernel.num_layers:
+            raise ValueError(f"layers {first}..{first + layers - 1} of {self.kernel.num_layers}")
+        if offset < 0 or offset + layers * self.layer_bytes > self._end:
+            raise ValueError(
+                f"{layers} layers of {self.layer_bytes} bytes from byte {offset} overrun "
+                f"the staging buffer's {self._end} bytes"
+            )
+        if layers == 0 or self._rows_per_layer == 0:
+            return
+        buf = numpy.uint64(self._staging + offset)
+        args = (self._table, numpy.int32(first), *self._slots, self._words, buf, *extra)
+        grid = (layers * self._rows_per_layer,)
+        kernel = self.kernel.function(gather)
+        if self._current_device() == self.kernel.device.index:
+            kernel(grid, self._block, args, stream=self._stream)
+        else:
+            with self._on_device:
+                kernel(grid, self._block, args, stream=self._stream)

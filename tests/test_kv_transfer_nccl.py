@@ -252,15 +252,16 @@ def test_transfers_started_together_share_the_pair_in_announce_order(sides, laye
     ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
 
 
-def test_missing_layers_fail_the_transfer_and_the_pair_stays_in_step(sides):
+@pytest.mark.parametrize("sent", [2, 3])  # plan (0, 1), (1, 2), (3, 1): 2 ends mid-message
+def test_missing_layers_fail_the_transfer_and_the_pair_stays_in_step(sides, sent):
     sender, receiver = sides
-    ticket = ray.get(receiver.expect.remote("ml", [1, 2], 0, 50))
-    ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=[0, 1]))  # then "done"
+    ticket = ray.get(receiver.expect.remote(f"ml{sent}", [1, 2], 0, 50))
+    ray.get(sender.send.remote(ticket, [3, 4, 5, 6], layers=list(range(sent))))  # then "done"
     ((_, _, ok, error, _),) = ray.get(receiver.events.remote())
-    assert not ok and f"received 2 of {NUM_LAYERS} KV layers" in error, error
+    assert not ok and f"received {sent} of {NUM_LAYERS} KV layers" in error, error
     ((_, _, ok, _, _),) = ray.get(sender.events.remote())
     assert not ok
-    _hand_off(sender, receiver, "ml-next", [7, 8], [9], 0, 32)
+    _hand_off(sender, receiver, f"ml{sent}-next", [7, 8], [9], 0, 32)
     assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]
     _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)

@@ -133,3 +133,48 @@ def test_cuda_kernel_refuses_a_buffer_of_the_wrong_size():
         kernel.gather(0, slots, short)
     with pytest.raises(ValueError, match="int64"):
         kernel.gather(0, slots.int(), torch.empty(1, 2, slots.numel(), shape[1], shape[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_bound_launches_move_layer_ranges_at_byte_offsets_of_one_staging_buffer():
+    """A KV hand-off binds slots and staging once and launches per layer: each launch
+    lands at its offset, layer by layer equal to one launch over the range."""
+    shape = GPU_SHAPES[1]
+    k, v = make_cache(shape, torch.bfloat16, "cuda")
+    kernel, slots = _kernel(k, v), random_slots(shape, "cuda")
+    layer = 2 * slots.numel() * shape[1] * shape[2]  # elements of one layer's K and V
+    staging = torch.zeros(8 * layer, dtype=torch.bfloat16, device="cuda")
+    launch = kernel.bind(slots, staging)
+    assert launch.layer_bytes == layer * 2
+    launch.gather(1, 1, offset=3 * launch.layer_bytes)  # layers 1, 2 one at a time
+    launch.gather(2, 1, offset=4 * launch.layer_bytes)
+    launch.gather(1, 2, offset=0)  # and together
+    ref = torch.empty(2, 2, slots.numel(), shape[1], shape[2], dtype=torch.bfloat16, device="cuda")
+    gather_kv(k, v, 1, slots, ref)
+    torch.cuda.synchronize()
+    assert torch.equal(staging[: 2 * layer].view_as(ref), ref)
+    assert torch.equal(staging[3 * layer : 5 * layer].view_as(ref), ref)
+    assert not staging[2 * layer : 3 * layer].any() and not staging[5 * layer :].any()
+    launch.scatter(3, 2, offset=3 * launch.layer_bytes)  # layers 3, 4 get 1, 2's rows
+    back = torch.empty_like(ref)
+    gather_kv(k, v, 3, slots, back)
+    assert torch.equal(back, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+def test_bound_launch_refuses_layers_or_bytes_outside_its_buffer():
+    shape = GPU_SHAPES[1]
+    k, v = make_cache(shape, torch.bfloat16, "cuda")
+    kernel, slots = _kernel(k, v), random_slots(shape, "cuda")
+    staging = torch.zeros(2 * 2 * slots.numel() * shape[1] * shape[2] * 2, dtype=torch.uint8)
+    launch = kernel.bind(slots, staging.cuda())
+    with pytest.raises(ValueError, match="overrun the staging buffer"):
+        launch.gather(0, 1, offset=launch.layer_bytes + 16)
+    with pytest.raises(ValueError, match="overrun the staging buffer"):
+        launch.gather(0, 3)
+    with pytest.raises(ValueError, match="layers 4..5 of 5"):
+        launch.scatter(4, 2)
+    with pytest.raises(ValueError, match="int64"):
+        kernel.bind(slots.int(), staging.cuda())

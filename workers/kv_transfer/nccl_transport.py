@@ -24,15 +24,18 @@ One transfer (per side, a ring of two staging buffers; CUDA events order them)::
     start_send: "announce" {plan}   -- TCP -->   _on_announce: for each message i,
                                                    recv i   (NCCL stream; waits scatter i-2)
                                                    scatter i (copy stream; waits recv i)
-    send_layer: when message i's layers are in:
-      gather i  (copy stream; waits the compute stream and send i-2)
-      send i    (NCCL stream; waits gather i)
+    send_layer(l), l in message i:
+      gather l  (copy stream, into i's buffer;
+                 waits the compute stream, and send i-2 for i's first layer)
+      send i    (NCCL stream; once i's layers are gathered, waits those gathers)
     finish_send: "done" {layers}    -- TCP -->   _on_done: wait for the last scatter, "ack"
 
-So gather i+1 runs during send i, and scatter i during recv i+1; the host never
-waits on the hot path. Streams are per pair, not per transport: a receive
-waiting for its sender must not hold up another pair's. The compute stream
-never waits for the transport.
+So each layer is gathered as soon as it is computed, message i+1's layers
+during send i, and scatter i runs during recv i+1; the host never waits on the
+hot path. Both sides bind their copy kernel to the transfer's slots and staging
+at set-up, so a gather costs the host one kernel launch. Streams are per pair,
+not per transport: a receive waiting for its sender must not hold up another
+pair's. The compute stream never waits for the transport.
 
 NCCL matches a pair's sends and receives by order, so both sides keep the
 announce order: the sender queues a transfer's sends only after every send of
@@ -67,7 +70,7 @@ from typing import Any
 import torch
 
 from splitserve.kernels.kv_gather import gather_kv, scatter_kv
-from splitserve.kernels.kv_gather_cuda import KVGatherKernel
+from splitserve.kernels.kv_gather_cuda import KVCopyLaunch, KVGatherKernel
 from splitserve.workers.kv_cache import KVCache
 from splitserve.workers.kv_transfer.base import Incoming, KVTransport, Outgoing, Peer, TransferState
 from splitserve.workers.kv_transfer.framing import Connection
@@ -105,13 +108,16 @@ class _Send:
     layer_bytes: int
     compute: torch.cuda.Stream  # where the layers are computed (send_layer's stream)
     ready: int = 0  # layers passed to send_layer
+    gathered: int = 0  # layers whose gather is queued
     issued: int = 0  # messages whose send is queued
     dropped: bool = False  # the rest of the plan goes out as filler
-    ring: list[torch.Tensor] = field(default_factory=list)  # staging, flat uint8
+    ring: list[torch.Tensor] = field(default_factory=list)  # staging, flat uint8 views
+    slot_bytes: int = 0  # one ring buffer's size (the largest message)
+    copy: KVCopyLaunch | None = None  # fused gathers into the ring (None: torch copies)
     sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None] * _RING)
     # Reused events (each wait on one is queued before it is recorded again).
     computed: torch.cuda.Event = field(default_factory=torch.cuda.Event)
-    gathered: list[torch.cuda.Event] = field(
+    staged: list[torch.cuda.Event] = field(
         default_factory=lambda: [torch.cuda.Event() for _ in range(_RING)]
     )
     kv_shape: tuple[int, ...] = ()  # a staging buffer's KV view, less the layer count
@@ -124,6 +130,7 @@ class _Recv:
 
     pair: Pair
     live: torch.Tensor | None  # int32 flag the scatter kernel reads; None: torch copies
+    copy: KVCopyLaunch | None = None  # fused scatters from the staging ring
     received: list[torch.cuda.Event] = field(default_factory=list)  # per message
     scattered: list[torch.cuda.Event] = field(default_factory=list)  # per message
 
@@ -143,7 +150,7 @@ class NcclKVTransport(KVTransport):
         rendezvous: Rendezvous | None = None,
         layers_per_message: int = 8,
         fused_copy: bool = True,
-        first_message_layers: int = 2,
+        first_message_layers: int = 1,
     ):
         message_plan(layers_per_message, 1, first_message_layers)  # raises on a bad value
         self.rendezvous = rendezvous  # needed to send; a receive-only worker may leave it None
@@ -302,13 +309,24 @@ class NcclKVTransport(KVTransport):
         send.kv_shape, send.kv_dtype = _kv_row_shape(t), t.layout.torch_dtype
         out.src_slots.record_stream(pair.copy_stream)
         if plan:
-            self._ring(pair, send, 0)  # now, not on the first layer's hot path
+            self._stage(pair, out, send)  # now, not on the first layer's hot path
         header = {"kind": "announce", "request_id": t.request_id, "layer_bytes": layer_bytes}
         header["messages"] = [list(m) for m in plan]
         with pair.lock:  # the queue and the wire see the same order
             pair.check_open()
             pair.conn.send(header)
             pair.sending.append(out)
+
+    def _stage(self, pair: Pair, out: Outgoing, send: _Send) -> None:
+        """The transfer's staging ring (one allocation) and its bound gather launch."""
+        nbytes = send.slot_bytes = max(layers for _, layers in send.plan) * send.layer_bytes
+        count = min(_RING, len(send.plan))
+        with torch.cuda.stream(pair.copy_stream):
+            staging = self._bytes(count * nbytes)
+        staging.record_stream(pair.nccl_stream)
+        send.ring = [staging[j * nbytes : (j + 1) * nbytes] for j in range(count)]
+        if self.fused_copy:
+            send.copy = self._kernel.bind(out.src_slots, staging, pair.copy_stream)
 
     def _send_layer_data(self, out: Outgoing, header: dict[str, Any]) -> None:
         send: _Send = out.extra["send"]
@@ -346,53 +364,76 @@ class NcclKVTransport(KVTransport):
             self._pump(send.pair)
 
     def _pump(self, pair: Pair) -> None:
-        """Queue every send that may go now: the oldest transfer's ready messages, in order."""
+        """Queue what may go now on ``pair``: the oldest transfer's gathers and sends."""
         try:
             with pair.lock:
                 while pair.sending and not pair.aborted:
                     out: Outgoing = pair.sending[0]
                     send: _Send = out.extra["send"]
-                    while send.issued < len(send.plan) and _can_issue(send):
-                        self._issue(pair, out, send)
+                    self._advance(pair, out, send)
                     if send.issued < len(send.plan):
                         return
                     pair.sending.popleft()
                     send.ring.clear()  # the allocator reuses them after their sends
+                    send.copy = None
         except Exception as e:
             if not isinstance(e, nccl.NcclError):
                 logger.exception("queueing a KV send failed")
             self._abort(pair, f"NCCL send failed: {type(e).__name__}: {e}")
 
-    def _issue(self, pair: Pair, out: Outgoing, send: _Send) -> None:
-        """Gather message ``send.issued`` into its staging buffer and queue its send."""
+    def _advance(self, pair: Pair, out: Outgoing, send: _Send) -> None:
+        """Gather each layer that is in as soon as it is (one launch for those that came
+        together), and send each message once all its layers are gathered."""
+        while send.issued < len(send.plan):
+            first, layers = send.plan[send.issued]
+            if not send.dropped:
+                end = min(send.ready, first + layers)
+                if send.gathered < end:
+                    self._gather_layers(pair, out, send, end)
+                if send.gathered < first + layers:
+                    return
+            self._issue(pair, send)
+
+    def _gather_layers(self, pair: Pair, out: Outgoing, send: _Send, end: int) -> None:
+        """Queue the gather of layers ``send.gathered .. end - 1`` (all in message
+        ``send.issued``) into that message's staging buffer, on the copy stream."""
+        i = send.issued
+        first = send.plan[i][0]
+        slot = i % _RING
+        send.computed.record(send.compute)  # the layers are computed
+        pair.copy_stream.wait_event(send.computed)
+        if send.gathered == first and send.sent[slot] is not None:
+            pair.copy_stream.wait_event(send.sent[slot])  # and the buffer's last send is done
+        begin, layers = send.gathered, end - send.gathered
+        offset = slot * send.slot_bytes + (begin - first) * send.layer_bytes
+        self._stage_layers(pair, out, send, begin, layers, offset)
+        send.gathered = end
+
+    def _stage_layers(
+        self, pair: Pair, out: Outgoing, send: _Send, first: int, layers: int, offset: int
+    ) -> None:
+        """Gather ``layers`` layers from ``first`` into the staging ring at byte ``offset``."""
+        if send.copy is not None:
+            send.copy.gather(first, layers, offset)
+            return
+        buf = send.ring[offset // send.slot_bytes]
+        start = offset % send.slot_bytes
+        kv = buf[start : start + layers * send.layer_bytes].view(send.kv_dtype)
+        self.gather(first, out.src_slots, kv.view(layers, *send.kv_shape), pair.copy_stream)
+
+    def _issue(self, pair: Pair, send: _Send) -> None:
+        """Queue the send of message ``send.issued``, after its gathers."""
         i = send.issued
         first, layers = send.plan[i]
-        nbytes = layers * send.layer_bytes
         slot = i % _RING
-        buf = self._ring(pair, send, slot)
-        if not send.dropped:
-            send.computed.record(send.compute)  # the layers are computed
-            pair.copy_stream.wait_event(send.computed)
-            if send.sent[slot] is not None:  # and the buffer's last send is done
-                pair.copy_stream.wait_event(send.sent[slot])
-            kv = buf[:nbytes].view(send.kv_dtype).view(layers, *send.kv_shape)
-            self.gather(first, out.src_slots, kv, pair.copy_stream)
-            send.gathered[slot].record(pair.copy_stream)
-            pair.nccl_stream.wait_event(send.gathered[slot])
-        pair.send(buf, nbytes)  # filler when dropped: whatever the buffer holds
+        if send.gathered > first:  # its layers' gathers are queued (not filler)
+            send.staged[slot].record(pair.copy_stream)
+            pair.nccl_stream.wait_event(send.staged[slot])
+        pair.send(send.ring[slot], layers * send.layer_bytes)  # filler: whatever it holds
         if send.sent[slot] is None:
             send.sent[slot] = torch.cuda.Event()
         send.sent[slot].record(pair.nccl_stream)
         send.issued += 1
-
-    def _ring(self, pair: Pair, send: _Send, slot: int) -> torch.Tensor:
-        if not send.ring:
-            nbytes = max(layers for _, layers in send.plan) * send.layer_bytes
-            with torch.cuda.stream(pair.copy_stream):
-                send.ring = [self._bytes(nbytes) for _ in range(min(_RING, len(send.plan)))]
-            for buf in send.ring:
-                buf.record_stream(pair.nccl_stream)
-        return send.ring[slot]
 
     def _peer_lost(self, peer: Peer, error: str) -> None:
         with self._lock:
@@ -454,11 +495,16 @@ class NcclKVTransport(KVTransport):
                 recv.live = self._live_flag(pair)  # before any scatter is queued
                 inc.dst_slots.record_stream(pair.copy_stream)
                 staging.record_stream(pair.copy_stream)
+                if self.fused_copy:
+                    recv.copy = self._kernel.bind(
+                        inc.dst_slots, staging, pair.copy_stream, recv.live
+                    )
             for i in range(1, len(plan) + 1):
                 if i < len(plan):
                     self._queue_recv(pair, recv, ring, plan, i, layer_bytes)
                 if recv is not None:
-                    self._queue_scatter(pair, recv, plan[i - 1], ring[(i - 1) % len(ring)], inc)
+                    slot = (i - 1) % len(ring)
+                    self._queue_scatter(pair, recv, plan[i - 1], ring[slot], slot * nbytes, inc)
 
     def _queue_recv(self, pair: Pair, recv: _Recv | None, ring, plan, i: int, layer_bytes: int):
         """Receive message ``i`` into its ring buffer, once message i - 2's scatter is done."""
@@ -468,12 +514,25 @@ class NcclKVTransport(KVTransport):
         if recv is not None:
             recv.received.append(_record(pair.nccl_stream))
 
-    def _queue_scatter(self, pair: Pair, recv: _Recv, message, buf, inc: Incoming) -> None:
-        first, layers = message
+    def _queue_scatter(
+        self, pair: Pair, recv: _Recv, message, buf: torch.Tensor, offset: int, inc: Incoming
+    ) -> None:
+        """Scatter ``message`` from ``buf`` (at byte ``offset`` of the staging ring) after
+        its receive."""
         pair.copy_stream.wait_event(recv.received[len(recv.scattered)])
+        self._unstage_layers(pair, recv, message, buf, offset, inc)
+        recv.scattered.append(_record(pair.copy_stream))
+
+    def _unstage_layers(
+        self, pair: Pair, recv: _Recv, message, buf: torch.Tensor, offset: int, inc: Incoming
+    ) -> None:
+        """Scatter one received message into the transfer's blocks, on the copy stream."""
+        first, layers = message
+        if recv.copy is not None:
+            recv.copy.scatter(first, layers, offset)
+            return
         kv = self._kv_view(buf, layers, inc.ticket)
         self.scatter(first, inc.dst_slots, kv, recv.live, pair.copy_stream)
-        recv.scattered.append(_record(pair.copy_stream))
 
     def _live_flag(self, pair: Pair) -> torch.Tensor | None:
         """A new int32 1 on the device, set before any scatter of ``pair`` reads it."""
@@ -625,7 +684,7 @@ def _can_issue(send: _Send) -> bool:
 def _check_plan(ticket: TransferTicket, plan: list[tuple[int, int]], layer_bytes: int):
     """An error when an announced plan does not fit the ticket, else None."""
     lay = ticket.layout
-    elem = torch.empty((), dtype=lay.torch_dtype).element_size()
+    elem = lay.torch_dtype.itemsize
     expected = 2 * ticket.num_transfer_tokens * lay.num_kv_heads * lay.head_dim * elem
     if layer_bytes != expected:
         return f"KV announce has {layer_bytes} bytes a layer, expected {expected}"
