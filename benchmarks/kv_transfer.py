@@ -108,9 +108,28 @@ class Worker:
         self.raw_issue_s: list[float] = []
         self.sleep_cycles_per_us = self._calibrate_sleep()
         self.busy_before_us = 0.0
+        self.busy_with = "sleep"
 
-    def set_busy_before_us(self, us: float) -> None:
-        self.busy_before_us = us
+    def set_busy_before_us(self, us: float, busy_with: str = "sleep") -> None:
+        self.busy_before_us, self.busy_with = us, busy_with
+
+    def _busy(self, us: float) -> None:
+        """Keep the GPU working for about ``us``: spinning (``sleep``) or streaming memory
+        (``copy``: 256 MB device copies, as a prefill's matmuls keep HBM busy)."""
+        if self.busy_with == "sleep":
+            torch.cuda._sleep(int(us * self.sleep_cycles_per_us))
+            return
+        if not hasattr(self, "_hog"):
+            self._hog = torch.empty(2, 256 << 20, dtype=torch.uint8, device=self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                self._hog[1].copy_(self._hog[0])
+            end.record()
+            end.synchronize()
+            self._copy_us = start.elapsed_time(end) * 100
+        for _ in range(max(1, round(us / self._copy_us))):
+            self._hog[1].copy_(self._hog[0])
 
     # ---- set-up --------------------------------------------------------------
 
@@ -164,7 +183,7 @@ class Worker:
             ray.get(self.peer.posted.remote(ticket.request_id))
         if self.busy_before_us:  # a GPU that was computing, not idle, when the layers come
             with torch.cuda.device(self.device):
-                torch.cuda._sleep(int(self.busy_before_us * self.sleep_cycles_per_us))
+                self._busy(self.busy_before_us)
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         if kind == "nccl":
@@ -472,8 +491,14 @@ def main() -> None:
         "--busy-before-us",
         type=float,
         default=0,
-        help="the sender's GPU spins this long just before each timed hand-off (not timed), "
+        help="the sender's GPU works this long just before each timed hand-off (not timed), "
         "as a prefill GPU computes before its layers are sent; 0 = idle before",
+    )
+    ap.add_argument(
+        "--busy-with",
+        choices=["sleep", "copy"],
+        default="copy",
+        help="what keeps it busy: a spinning kernel, or device copies that stream memory",
     )
     ap.add_argument("--watchdog", type=float, default=0, help="dump all stacks after S seconds")
     ap.add_argument("--label", default="", help="the machine, for the JSON (e.g. nvidia-h200-x2)")
@@ -519,7 +544,7 @@ def main() -> None:
     sender = remote.remote("prefill", args.send_block_size, *common, 1, devices[0])
     receiver = remote.remote("decode", args.recv_block_size, *common, 2, devices[1])
     ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
-    ray.get(sender.set_busy_before_us.remote(args.busy_before_us))
+    ray.get(sender.set_busy_before_us.remote(args.busy_before_us, args.busy_with))
     if args.nccl_stream_priority is not None:
         priority = args.nccl_stream_priority
         ray.get([side.set_nccl_stream_priority.remote(priority) for side in (sender, receiver)])
@@ -678,6 +703,7 @@ def main() -> None:
                 "env": args.env,
                 "nccl_stream_priority": args.nccl_stream_priority,
                 "busy_before_us": args.busy_before_us,
+                "busy_with": args.busy_with,
                 "warmup": w,
                 "repeat": r,
             },
