@@ -9,6 +9,10 @@ One thread block moves one token row (heads x head_dim) of one layer's K or V in
 16-byte words, with the cache pointers of all layers in a device table: the
 launch costs the same for 1 or 36 layers, where the reference launches two index
 ops per layer. Rows must be a whole number of 16-byte words (``supports``).
+
+``KVGatherKernel.gather`` / ``scatter`` take tensors and check them per call.
+A KV hand-off instead binds its slots and staging buffer once (``bind``) and
+launches per layer with a layer range and a byte offset (``KVCopyLaunch``).
 """
 
 from __future__ import annotations
