@@ -676,11 +676,6 @@ class NcclKVTransport(KVTransport):
             self._abort(pair, "transport closed")
 
 
-def _can_issue(send: _Send) -> bool:
-    first, layers = send.plan[send.issued]
-    return send.dropped or send.ready >= first + layers
-
-
 def _check_plan(ticket: TransferTicket, plan: list[tuple[int, int]], layer_bytes: int):
     """An error when an announced plan does not fit the ticket, else None."""
     lay = ticket.layout
