@@ -109,6 +109,8 @@ class Worker:
         self.sleep_cycles_per_us = self._calibrate_sleep()
         self.busy_before_us = 0.0
         self.busy_with = "sleep"
+        self._hog: torch.Tensor | None = None  # the copies of ``busy_with="copy"``
+        self._copy_us = 0.0
 
     def set_busy_before_us(self, us: float, busy_with: str = "sleep") -> None:
         self.busy_before_us, self.busy_with = us, busy_with
@@ -119,7 +121,7 @@ class Worker:
         if self.busy_with == "sleep":
             torch.cuda._sleep(int(us * self.sleep_cycles_per_us))
             return
-        if not hasattr(self, "_hog"):
+        if self._hog is None:
             self._hog = torch.empty(2, 256 << 20, dtype=torch.uint8, device=self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

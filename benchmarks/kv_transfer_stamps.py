@@ -131,9 +131,9 @@ class StampedNccl(_Stamp, NcclKVTransport):
         h["issue_s"] += end - begin
         h["last_issue_at"] = end
 
-    def _unstage_layers(self, pair, recv, message, buf, offset, inc) -> None:
+    def _unstage_layers(self, pair, recv, message, staging, offset, inc) -> None:
         queue = lambda: super(StampedNccl, self)._unstage_layers(  # noqa: E731
-            pair, recv, message, buf, offset, inc
+            pair, recv, message, staging, offset, inc
         )
         self._span(f"scatter {message[0]}+{message[1]}", pair.copy_stream, queue)
 

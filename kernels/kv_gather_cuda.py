@@ -112,7 +112,7 @@ class KVGatherKernel:
     ) -> None:
         """``out[j] = (K, V)[slots]`` of layer ``first + j``, on ``stream`` (default: the
         current stream)."""
-        self._check_buffer(first, slots, out)
+        self._check_buffer(slots, out)
         self.bind(slots, out, stream).gather(first, out.shape[0])
 
     def scatter(
@@ -124,7 +124,7 @@ class KVGatherKernel:
         stream: torch.cuda.Stream | None = None,
     ) -> None:
         """``(K, V)[slots] = kv[j]`` for layer ``first + j``, unless ``live`` holds 0 then."""
-        self._check_buffer(first, slots, kv)
+        self._check_buffer(slots, kv)
         self.bind(slots, kv, stream, live).scatter(first, kv.shape[0])
 
     def bind(
@@ -147,11 +147,9 @@ class KVGatherKernel:
             stream = torch.cuda.current_stream(self.device)
         return KVCopyLaunch(self, slots, staging, stream, live)
 
-    def _check_buffer(self, first: int, slots: torch.Tensor, buf: torch.Tensor) -> None:
-        """``buf`` is ``[layers, 2, tokens, row]`` of layers that exist."""
+    def _check_buffer(self, slots: torch.Tensor, buf: torch.Tensor) -> None:
+        """``buf`` is exactly ``[layers, 2, tokens, row]`` (the launch checks the layers)."""
         layers = buf.shape[0]
-        if not 0 <= first <= first + layers <= self.num_layers:
-            raise ValueError(f"layers {first}..{first + layers - 1} of {self.num_layers}")
         expected = layers * 2 * slots.numel() * self.words * 16
         nbytes = buf.numel() * buf.element_size()
         if nbytes != expected:

@@ -89,6 +89,26 @@ class Side:
         if finish:
             self.transport.finish_send(t.request_id, TransferDone(t.request_id, first))
 
+    def send_reporting_a_gather(self, ticket: bytes, src_blocks) -> bool:
+        """Send with a two-layer first message, layer 0 reported behind a stalled compute
+        stream; return whether the copy stream then held work (layer 0's gather, waiting
+        for the stall) before layer 1 was reported."""
+        t = TransferTicket.unpack(ticket)
+        self.transport.first_message_layers = 2
+        try:
+            self.transport.start_send(t, src_blocks)
+            (pair,) = self.transport._send_pairs.values()
+            with torch.cuda.device(self.device):
+                torch.cuda._sleep(STALL_CYCLES // 8)
+            self.transport.send_layer(t.request_id, 0)
+            queued = not pair.copy_stream.query()
+            for layer in range(1, NUM_LAYERS):
+                self.transport.send_layer(t.request_id, layer)
+            self.transport.finish_send(t.request_id, TransferDone(t.request_id, 7))
+        finally:
+            self.transport.first_message_layers = 1
+        return queued
+
     def send_together(self, tickets: list[bytes], src_blocks: list[list[int]], layers: int):
         """Start several transfers, then send their layers interleaved, as one step does."""
         tickets = [TransferTicket.unpack(t) for t in tickets]
@@ -250,6 +270,19 @@ def test_transfers_started_together_share_the_pair_in_announce_order(sides, laye
     for dst, src, n in specs:
         _assert_arrived(sender, receiver, src, dst, 0, n)
     ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
+
+
+def test_a_layer_is_gathered_when_reported_not_when_its_message_is_complete(sides):
+    """A prefill's layers are copied out as it computes them, so only the last one's
+    gather is left when the prompt ends."""
+    sender, receiver = sides
+    src, dst = [11, 12], [13]
+    ticket = ray.get(receiver.expect.remote("early", dst, 0, 32))
+    assert ray.get(sender.send_reporting_a_gather.remote(ticket, src))
+    ((_, _, ok, error, _),) = ray.get(receiver.events.remote())
+    assert ok, error
+    assert all(e[2] for e in ray.get(sender.events.remote()))
+    _assert_arrived(sender, receiver, src, dst, 0, 32)
 
 
 @pytest.mark.parametrize("sent", [2, 3])  # plan (0, 1), (1, 2), (3, 1): 2 ends mid-message

@@ -111,8 +111,8 @@ class _Send:
     gathered: int = 0  # layers whose gather is queued
     issued: int = 0  # messages whose send is queued
     dropped: bool = False  # the rest of the plan goes out as filler
-    ring: list[torch.Tensor] = field(default_factory=list)  # staging, flat uint8 views
-    slot_bytes: int = 0  # one ring buffer's size (the largest message)
+    staging: torch.Tensor | None = None  # the ring: _RING slots, flat uint8, one allocation
+    slot_bytes: int = 0  # one slot's size (the largest message)
     copy: KVCopyLaunch | None = None  # fused gathers into the ring (None: torch copies)
     sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None] * _RING)
     # Reused events (each wait on one is queued before it is recorded again).
@@ -322,11 +322,10 @@ class NcclKVTransport(KVTransport):
         nbytes = send.slot_bytes = max(layers for _, layers in send.plan) * send.layer_bytes
         count = min(_RING, len(send.plan))
         with torch.cuda.stream(pair.copy_stream):
-            staging = self._bytes(count * nbytes)
-        staging.record_stream(pair.nccl_stream)
-        send.ring = [staging[j * nbytes : (j + 1) * nbytes] for j in range(count)]
+            send.staging = self._bytes(count * nbytes)
+        send.staging.record_stream(pair.nccl_stream)
         if self.fused_copy:
-            send.copy = self._kernel.bind(out.src_slots, staging, pair.copy_stream)
+            send.copy = self._kernel.bind(out.src_slots, send.staging, pair.copy_stream)
 
     def _send_layer_data(self, out: Outgoing, header: dict[str, Any]) -> None:
         send: _Send = out.extra["send"]
@@ -374,8 +373,7 @@ class NcclKVTransport(KVTransport):
                     if send.issued < len(send.plan):
                         return
                     pair.sending.popleft()
-                    send.ring.clear()  # the allocator reuses them after their sends
-                    send.copy = None
+                    send.staging = send.copy = None  # reused after their sends
         except Exception as e:
             if not isinstance(e, nccl.NcclError):
                 logger.exception("queueing a KV send failed")
@@ -416,9 +414,7 @@ class NcclKVTransport(KVTransport):
         if send.copy is not None:
             send.copy.gather(first, layers, offset)
             return
-        buf = send.ring[offset // send.slot_bytes]
-        start = offset % send.slot_bytes
-        kv = buf[start : start + layers * send.layer_bytes].view(send.kv_dtype)
+        kv = send.staging[offset : offset + layers * send.layer_bytes].view(send.kv_dtype)
         self.gather(first, out.src_slots, kv.view(layers, *send.kv_shape), pair.copy_stream)
 
     def _issue(self, pair: Pair, send: _Send) -> None:
@@ -429,7 +425,8 @@ class NcclKVTransport(KVTransport):
         if send.gathered > first:  # its layers' gathers are queued (not filler)
             send.staged[slot].record(pair.copy_stream)
             pair.nccl_stream.wait_event(send.staged[slot])
-        pair.send(send.ring[slot], layers * send.layer_bytes)  # filler: whatever it holds
+        buf = send.staging[slot * send.slot_bytes :]
+        pair.send(buf, layers * send.layer_bytes)  # filler: whatever it holds
         if send.sent[slot] is None:
             send.sent[slot] = torch.cuda.Event()
         send.sent[slot].record(pair.nccl_stream)
@@ -504,7 +501,7 @@ class NcclKVTransport(KVTransport):
                     self._queue_recv(pair, recv, ring, plan, i, layer_bytes)
                 if recv is not None:
                     slot = (i - 1) % len(ring)
-                    self._queue_scatter(pair, recv, plan[i - 1], ring[slot], slot * nbytes, inc)
+                    self._queue_scatter(pair, recv, plan[i - 1], staging, slot * nbytes, inc)
 
     def _queue_recv(self, pair: Pair, recv: _Recv | None, ring, plan, i: int, layer_bytes: int):
         """Receive message ``i`` into its ring buffer, once message i - 2's scatter is done."""
@@ -515,23 +512,22 @@ class NcclKVTransport(KVTransport):
             recv.received.append(_record(pair.nccl_stream))
 
     def _queue_scatter(
-        self, pair: Pair, recv: _Recv, message, buf: torch.Tensor, offset: int, inc: Incoming
+        self, pair: Pair, recv: _Recv, message, staging: torch.Tensor, offset: int, inc: Incoming
     ) -> None:
-        """Scatter ``message`` from ``buf`` (at byte ``offset`` of the staging ring) after
-        its receive."""
+        """Scatter ``message`` from byte ``offset`` of the staging ring, after its receive."""
         pair.copy_stream.wait_event(recv.received[len(recv.scattered)])
-        self._unstage_layers(pair, recv, message, buf, offset, inc)
+        self._unstage_layers(pair, recv, message, staging, offset, inc)
         recv.scattered.append(_record(pair.copy_stream))
 
     def _unstage_layers(
-        self, pair: Pair, recv: _Recv, message, buf: torch.Tensor, offset: int, inc: Incoming
+        self, pair: Pair, recv: _Recv, message, staging: torch.Tensor, offset: int, inc: Incoming
     ) -> None:
         """Scatter one received message into the transfer's blocks, on the copy stream."""
         first, layers = message
         if recv.copy is not None:
             recv.copy.scatter(first, layers, offset)
             return
-        kv = self._kv_view(buf, layers, inc.ticket)
+        kv = self._kv_view(staging[offset:], layers, inc.ticket)
         self.scatter(first, inc.dst_slots, kv, recv.live, pair.copy_stream)
 
     def _live_flag(self, pair: Pair) -> torch.Tensor | None:
