@@ -29,7 +29,10 @@ its compute).
 - cpu: the CPU transport (bytes in the TCP frames) on a --cpu-tokens prompt.
 - host times: the sender's gathers (one launch per layer, with their event waits)
   and sends, and the receiver's posting of every receive and scatter, summed per
-  transfer.
+  transfer; and the sender's pace, printed under each row (JSON ``host_pace_us``):
+  when each ``send_layer`` returned, when each gather and each message's issue
+  began (us from the start), and the host time of each gather launch, NCCL send
+  call and message issue.
 - --timeline: one more hand-off with CUDA events around each gather, send,
   receive and scatter, and host instants on the GPU's clock (the sender's
   start, the receiver's "done" frame and end stamp), printed per GPU (where
@@ -66,7 +69,12 @@ import kv_transfer_stamps  # noqa: E402
 from kv_transfer_stamps import StampedCpu, StampedNccl  # noqa: E402
 
 from splitserve.workers.kv_cache import KVCache, KVCacheSpec
-from splitserve.workers.kv_transfer.nccl_pair import communicator, message_plan, unique_id
+from splitserve.workers.kv_transfer.nccl_pair import (
+    communicator,
+    message_plan,
+    unique_id,
+    wait_event,
+)
 from splitserve.workers.kv_transfer.ticket import TransferDone, TransferTicket, token_slots
 
 LAYERS, HEADS, DIM = 36, 8, 128  # Qwen3-8B
@@ -190,13 +198,17 @@ class Worker:
         start = time.perf_counter()
         if kind == "nccl":
             t.host_mark("host: start")
+        returned = []
         with torch.cuda.device(self.device):
             for layer in range(LAYERS):
                 if gap_us:
                     torch.cuda._sleep(int(gap_us * self.sleep_cycles_per_us))
                 t.send_layer(ticket.request_id, layer)
+                returned.append(time.perf_counter())
             computed = torch.cuda.Event()
             computed.record()
+        if kind == "nccl":  # the host's pace: when each send_layer returned
+            t.host[ticket.request_id]["send_layer_at_each"] = [r - start for r in returned]
         t.finish_send(ticket.request_id, TransferDone(ticket.request_id, 1))
         if not gap_us:
             return start, start
@@ -330,9 +342,8 @@ class Worker:
         done = torch.cuda.Event()
         done.record(self.raw_stream)
 
-        def stamp() -> None:
-            while not done.query():
-                time.sleep(0)
+        def stamp() -> None:  # the transport's own wait: a zero sleep would add its slack
+            wait_event(done, None, time.monotonic() + 60)
             self.raw_done_at = time.perf_counter()
 
         self.raw_waiter = threading.Thread(target=stamp, daemon=True)
@@ -386,14 +397,24 @@ def time_transport(
             h = {**h[0], **h[1]}
             for key in ("last_issue_at", "posted_at"):
                 h[key] -= start
+            for key in [k for k in h if k.endswith("_at_each") and k != "send_layer_at_each"]:
+                h[key] = [at - start for at in h[key]]
         if i >= warmup:
             times.append(end - start)
             tails.append(end - computed)
             host.append(h)
     tokens = ray.get(receiver.num_tokens.remote(kind))
     intact = ray.get(sender.checksums.remote(tokens)) == ray.get(receiver.checksums.remote(tokens))
-    host_median = {key: median(h[key] for h in host) for key in host[0]}
+    host_median = {key: _median_of(h[key] for h in host) for key in host[0]}
     return median(times), median(tails), intact, host_median
+
+
+def _median_of(values):
+    """The median of numbers, or of equal-length lists element by element."""
+    values = list(values)
+    if isinstance(values[0], list):
+        return [median(column) for column in zip(*values)]
+    return median(values)
 
 
 def record_timeline(
@@ -589,14 +610,18 @@ def main() -> None:
         ray.get(sender.raw_issue_ms.remote())
         raw_same = time_raw(sender, receiver, sizes, w, r)
         raw_issue_ms = ray.get(sender.raw_issue_ms.remote())
+        scalars = {k: v for k, v in host.items() if not isinstance(v, list)}
+        pace = {k: [round(x * 1e6, 1) for x in v] for k, v in host.items() if isinstance(v, list)}
         print(
             f"m={m} first={first} {copy} gap={gap:g}us posted_first={posted_first}: "
             f"{seconds * 1e3:.3f} ms, "
             f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms (issued in "
             f"{raw_issue_ms:.3f}); host (ms): "
-            + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()),
+            + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in scalars.items()),
             flush=True,
         )
+        for key, each in pace.items():
+            print(f"  {key} (us): " + " ".join(f"{x:.0f}" for x in each), flush=True)
         rows.append(
             {
                 "transport": "nccl",
@@ -605,7 +630,8 @@ def main() -> None:
                 "first_message_layers": first,
                 "layer_gap_us": gap,
                 "posted_first": posted_first,
-                "host_ms": {k: round(v * 1e3, 3) for k, v in host.items()},
+                "host_ms": {k: round(v * 1e3, 3) for k, v in scalars.items()},
+                "host_pace_us": pace,
                 "tail_ms": round(tail * 1e3, 3) if gap else None,
                 "messages": len(sizes),
                 "max_message_mb": round(max(sizes) / 1e6, 1),

@@ -16,13 +16,19 @@ from splitserve.workers.kv_transfer.nccl_transport import NcclKVTransport
 class _Stamp:
     """Records when a transfer's KV is in place on the receiver: the end of a timed span."""
 
+    # The CPU transport's scatters are queued on the current stream, so its KV is in
+    # place after a device synchronize; the NCCL transport's ``_finish_incoming`` has
+    # already waited for its last scatter.
+    sync_device = False
+
     def __init__(self, *args, **kwargs):
         self.arrived: dict[str, float] = {}
         super().__init__(*args, **kwargs)
 
     def _finish_incoming(self, inc) -> None:
         super()._finish_incoming(inc)
-        torch.cuda.synchronize(self.device)  # the CPU transport scatters on the default stream
+        if self.sync_device:
+            torch.cuda.synchronize(self.device)
         self.arrived[inc.ticket.request_id] = time.perf_counter()
 
 
@@ -37,9 +43,11 @@ class StampedNccl(_Stamp, NcclKVTransport):
         self.gpu_marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
         self._host_marks: dict[torch.cuda.Event, float] = {}  # host clock of each host mark
         self._mark_stream: torch.cuda.Stream | None = None
+        self._rid: str | None = None  # the sender's transfer being issued
         super().__init__(*args, **kwargs)
 
     def _finish_incoming(self, inc) -> None:
+        self.host_mark("host: last scatter seen")
         super()._finish_incoming(inc)
         self.host_mark("host: in place")  # beside the receiver's end stamp
 
@@ -59,7 +67,12 @@ class StampedNccl(_Stamp, NcclKVTransport):
     def _span(self, what: str, stream: torch.cuda.Stream, queue) -> None:
         """``queue()``, with timing events around it on ``stream`` when the timeline is on."""
         if self.gpu_marks is None:
-            return queue()
+            begin = time.perf_counter()
+            queue()
+            if self._rid is not None and what.split()[0] in ("gather", "send"):
+                key = f"{what.split()[0]}_call_each"
+                self._host(self._rid).setdefault(key, []).append(time.perf_counter() - begin)
+            return
         begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
         begin.record(stream)
         queue()
@@ -101,11 +114,15 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
     def _gather_layers(self, pair, out, send, end) -> None:
         h = self._host(out.ticket.request_id)
+        self._rid = out.ticket.request_id
         begin = time.perf_counter()
         super()._gather_layers(pair, out, send, end)
-        spent = time.perf_counter() - begin
+        done = time.perf_counter()
+        spent = done - begin
         h["gather_s"] += spent
         h["issue_s"] += spent
+        h.setdefault("gather_in_at_each", []).append(begin)
+        h.setdefault("gather_out_at_each", []).append(done)
 
     def _stage_layers(self, pair, out, send, first, layers, offset) -> None:
         queue = lambda: super(StampedNccl, self)._stage_layers(  # noqa: E731
@@ -115,7 +132,9 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
     def _issue(self, pair, send) -> None:
         h = self._host(pair.sending[0].ticket.request_id)
+        self._rid = pair.sending[0].ticket.request_id
         nccl_send = pair.send
+        h.setdefault("issue_in_at_each", []).append(time.perf_counter())
 
         def timed_send(buf, nbytes) -> None:
             self._span(f"send {send.issued}", pair.nccl_stream, lambda: nccl_send(buf, nbytes))
@@ -129,6 +148,7 @@ class StampedNccl(_Stamp, NcclKVTransport):
         end = time.perf_counter()
         h["nccl_send_s"] += end - begin
         h["issue_s"] += end - begin
+        h.setdefault("issue_each", []).append(end - begin)
         h["last_issue_at"] = end
 
     def _unstage_layers(self, pair, recv, message, staging, offset, inc) -> None:
@@ -159,4 +179,4 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
 
 class StampedCpu(_Stamp, CpuKVTransport):
-    pass
+    sync_device = True

@@ -52,15 +52,15 @@ class Pair:
 
     def send(self, buf: torch.Tensor, nbytes: int) -> None:
         """Queue a send of ``buf``'s first ``nbytes`` on the NCCL stream; caller holds lock."""
-        with self._on_device():
+        with self.on_device():
             self.comm.send(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
 
     def recv(self, buf: torch.Tensor, nbytes: int) -> None:
         """Queue a receive into ``buf``'s first ``nbytes``; caller holds lock."""
-        with self._on_device():
+        with self.on_device():
             self.comm.recv(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
 
-    def _on_device(self) -> contextlib.AbstractContextManager:
+    def on_device(self) -> contextlib.AbstractContextManager:
         """The communicator's device as the current one (a no-op when it is, as in a
         worker that sees one GPU: the stream is passed to NCCL, not entered)."""
         index = self.nccl_stream.device.index

@@ -106,7 +106,7 @@ class _Send:
     pair: Pair
     plan: list[tuple[int, int]]  # (first layer, layers) per message
     layer_bytes: int
-    compute: torch.cuda.Stream  # where the layers are computed (send_layer's stream)
+    compute: int  # the stream (handle) the layers are computed on: send_layer's current one
     ready: int = 0  # layers passed to send_layer
     gathered: int = 0  # layers whose gather is queued
     issued: int = 0  # messages whose send is queued
@@ -116,6 +116,7 @@ class _Send:
     copy: KVCopyLaunch | None = None  # fused gathers into the ring (None: torch copies)
     sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None] * _RING)
     # Reused events (each wait on one is queued before it is recorded again).
+    # ``computed`` is recorded and waited for through its handle (once a layer).
     computed: torch.cuda.Event = field(default_factory=torch.cuda.Event)
     staged: list[torch.cuda.Event] = field(
         default_factory=lambda: [torch.cuda.Event() for _ in range(_RING)]
@@ -304,8 +305,9 @@ class NcclKVTransport(KVTransport):
         t = out.ticket
         plan = message_plan(self.layers_per_message, t.num_layers, self.first_message_layers)
         layer_bytes = self.transfer_bytes(t) // max(t.num_layers, 1)
-        compute = torch.cuda.current_stream(self.device)
+        compute = _current_stream(self.device)
         send = out.extra["send"] = _Send(pair, plan, layer_bytes, compute)
+        send.computed.record(pair.copy_stream)  # made now: the hot path uses its handle
         send.kv_shape, send.kv_dtype = _kv_row_shape(t), t.layout.torch_dtype
         out.src_slots.record_stream(pair.copy_stream)
         if plan:
@@ -335,7 +337,7 @@ class NcclKVTransport(KVTransport):
                 f"transport sends layers in order, the next is {send.ready}"
             )
         send.ready += 1
-        send.compute = torch.cuda.current_stream(self.device)
+        send.compute = _current_stream(self.device)
         self._pump(send.pair)
 
     def finish_send(self, request_id: str, done: TransferDone) -> None:
@@ -398,8 +400,12 @@ class NcclKVTransport(KVTransport):
         i = send.issued
         first = send.plan[i][0]
         slot = i % _RING
-        send.computed.record(send.compute)  # the layers are computed
-        pair.copy_stream.wait_event(send.computed)
+        # The layers are computed. Through the handles: torch's Event and Stream calls
+        # cost 1-3 us each, once a layer; the runtime's act on the current device.
+        computed = send.computed.cuda_event
+        with pair.on_device():
+            cupy.cuda.runtime.eventRecord(computed, send.compute)
+            cupy.cuda.runtime.streamWaitEvent(pair.copy_stream.cuda_stream, computed, 0)
         if send.gathered == first and send.sent[slot] is not None:
             pair.copy_stream.wait_event(send.sent[slot])  # and the buffer's last send is done
         begin, layers = send.gathered, end - send.gathered
@@ -691,6 +697,15 @@ def _kv_row_shape(ticket: TransferTicket) -> tuple[int, ...]:
     """One layer of a transfer in a staging buffer: ``[2, tokens, kv_heads, head_dim]``."""
     lay = ticket.layout
     return (2, ticket.num_transfer_tokens, lay.num_kv_heads, lay.head_dim)
+
+
+def _current_stream(device: torch.device) -> int:
+    """The handle of ``device``'s current torch stream, without making a Stream object
+    (``torch.cuda.current_stream`` costs about 3 us, once per layer on the hot path)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    return raw(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
