@@ -386,8 +386,11 @@ def time_transport(
             ray.get(receiver.clear.remote(ray.get(receiver.num_tokens.remote(kind))))
         rid = f"{tag}-{i}"
         ticket = ray.get(receiver.expect.remote(kind, rid))
+        # The receiver waits from before the start, as a decode worker's loop does: a
+        # Ray call arriving at the end would hold its GIL while the last frames come in.
+        arrival = receiver.finished.remote(kind, rid)
         start, computed = ray.get(sender.send.remote(kind, ticket, gap_us, posted_first))
-        ok, error, end = ray.get(receiver.finished.remote(kind, rid))
+        ok, error, end = ray.get(arrival)
         sent_ok, sent_error, _ = ray.get(sender.finished.remote(kind, rid))
         if not (ok and sent_ok):
             raise RuntimeError(f"{rid} failed: receiver {error!r}, sender {sent_error!r}")
