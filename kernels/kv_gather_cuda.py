@@ -203,7 +203,7 @@ class KVCopyLaunch:
             self._buf,
             ctypes.c_uint64(0 if live is None else live.data_ptr()),  # the scatter's only
         ]
-        self._values = values
+        self._values = values  # alive as long as the block that points at them
         self._params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
         self._params_at = ctypes.addressof(self._params)
 
