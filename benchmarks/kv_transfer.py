@@ -32,7 +32,8 @@ its compute).
   transfer; and the sender's pace, printed under each row (JSON ``host_pace_us``):
   when each ``send_layer`` returned, when each gather and each message's issue
   began (us from the start), and the host time of each gather launch, NCCL send
-  call and message issue.
+  call and message issue; the receiver's, when it read the announce frame,
+  began posting and called each receive.
 - --timeline: one more hand-off with CUDA events around each gather, send,
   receive and scatter, and host instants on the GPU's clock (the sender's
   start, the receiver's "done" frame and end stamp), printed per GPU (where
@@ -398,7 +399,7 @@ def time_transport(
         if kind == "nccl":
             h = ray.get([sender.host_times.remote(rid), receiver.host_times.remote(rid)])
             h = {**h[0], **h[1]}
-            for key in ("last_issue_at", "posted_at"):
+            for key in ("last_issue_at", "posted_at", "announce_read_at", "posting_at"):
                 h[key] -= start
             for key in [k for k in h if k.endswith("_at_each") and k != "send_layer_at_each"]:
                 h[key] = [at - start for at in h[key]]

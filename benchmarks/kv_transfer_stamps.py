@@ -44,6 +44,7 @@ class StampedNccl(_Stamp, NcclKVTransport):
         self._host_marks: dict[torch.cuda.Event, float] = {}  # host clock of each host mark
         self._mark_stream: torch.cuda.Stream | None = None
         self._rid: str | None = None  # the sender's transfer being issued
+        self._announce_read_at = float("nan")  # the receiver's last announce frame
         super().__init__(*args, **kwargs)
 
     def _finish_incoming(self, inc) -> None:
@@ -61,6 +62,7 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
     def _on_frame(self, conn, header) -> None:
         if header["kind"] == "announce":
+            self._announce_read_at = time.perf_counter()
             self.host_mark("host: announce")
         super()._on_frame(conn, header)
 
@@ -160,12 +162,13 @@ class StampedNccl(_Stamp, NcclKVTransport):
     def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
         begin = time.perf_counter()
         self.host_mark("host: posting")
-        nccl_recv, count = pair.recv, iter(range(len(plan)))
+        nccl_recv, count, called = pair.recv, iter(range(len(plan))), []
 
         def marked_recv(buf, nbytes) -> None:
             i = next(count)
             if i == 0:
                 self.host_mark("host: recv 0 call")
+            called.append(time.perf_counter())
             self._span(f"recv {i}", pair.nccl_stream, lambda: nccl_recv(buf, nbytes))
 
         pair.recv = marked_recv
@@ -175,7 +178,13 @@ class StampedNccl(_Stamp, NcclKVTransport):
             del pair.recv
         if inc is not None:
             end = time.perf_counter()
-            self.host[inc.ticket.request_id] = {"post_s": end - begin, "posted_at": end}
+            self.host[inc.ticket.request_id] = {
+                "post_s": end - begin,
+                "posted_at": end,
+                "announce_read_at": self._announce_read_at,
+                "posting_at": begin,
+                "recv_call_at_each": called,
+            }
 
 
 class StampedCpu(_Stamp, CpuKVTransport):
