@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -10,8 +12,11 @@ from splitserve.workers.forward_batch import ForwardBatch
 from splitserve.workers.layers.attention import Attention
 from splitserve.workers.layers.layernorm import RMSNorm
 from splitserve.workers.layers.linear import Linear, QKVLinear
-from splitserve.workers.layers.mlp import GatedMLP
 from splitserve.workers.layers.rotary_embedding import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from splitserve.workers.layers.mlp import GatedMLP
+    from splitserve.workers.layers.moe import MoEBlock
 
 
 class RopeAttention(nn.Module):
@@ -71,11 +76,14 @@ class DecoderLayer(nn.Module):
 
     ``forward`` returns ``(hidden, residual)`` with the last add left for the
     next layer's fused add-norm (or the final norm). Each add-norm goes with the
-    projection after it (``RMSNorm.project``: one kernel for a one-row decode), as
-    does a gated MLP's activation with its down projection.
+    projection after it (``RMSNorm.project``: one kernel for a one-row decode): the
+    qkv projection's here, the MLP's in its ``forward_normed`` (a gated MLP fuses it
+    into gate_up and its activation into down; an MoE block norms on its own).
     """
 
-    def __init__(self, self_attn: RopeAttention, mlp: nn.Module, hidden: int, rms_norm_eps: float):
+    def __init__(
+        self, self_attn: RopeAttention, mlp: GatedMLP | MoEBlock, hidden: int, rms_norm_eps: float
+    ):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
@@ -92,11 +100,4 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = self.input_layernorm.project(hidden, residual, attn.qkv_proj)
         hidden = attn.attend(positions, attn.qkv_proj.split(qkv), forward_batch)
-        if isinstance(self.mlp, GatedMLP):
-            mlp = self.mlp
-            gate_up, residual = self.post_attention_layernorm.project(
-                hidden, residual, mlp.gate_up_proj
-            )
-            return mlp.down(gate_up), residual
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)

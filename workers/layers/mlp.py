@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from splitserve.kernels.ops import silu_and_mul_linear
+from splitserve.workers.layers.layernorm import RMSNorm
 from splitserve.workers.layers.linear import GateUpLinear, Linear
 
 
@@ -19,6 +20,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
+
+    def forward_normed(
+        self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(hidden + residual)), hidden + residual)``, the add-norm fused into
+        the gate_up projection (``RMSNorm.project``)."""
+        gate_up, residual = norm.project(hidden, residual, self.gate_up_proj)
+        return self.down(gate_up), residual
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The down projection of ``silu(gate) * up``, the activation fused into it."""

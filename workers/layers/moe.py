@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from splitserve.kernels.ops import fused_moe, noaux_tc_topk, softmax_topk
+from splitserve.workers.layers.layernorm import RMSNorm
 from splitserve.workers.layers.mlp import GatedMLP
 
 W13_SHARDS = {"w1": 0, "w3": 1}  # gate_proj, up_proj
@@ -127,3 +128,11 @@ class MoEBlock(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def forward_normed(
+        self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(norm(hidden + residual)), hidden + residual)``: the router and the
+        experts all read the normed row, so the add-norm runs on its own."""
+        normed, residual = norm(hidden, residual)
+        return self(normed), residual
