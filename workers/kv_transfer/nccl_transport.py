@@ -121,8 +121,6 @@ class _Send:
     staged: list[torch.cuda.Event] = field(
         default_factory=lambda: [torch.cuda.Event() for _ in range(_RING)]
     )
-    kv_shape: tuple[int, ...] = ()  # a staging buffer's KV view, less the layer count
-    kv_dtype: torch.dtype = torch.uint8
 
 
 @dataclass(eq=False)
@@ -308,7 +306,6 @@ class NcclKVTransport(KVTransport):
         compute = _current_stream(self.device)
         send = out.extra["send"] = _Send(pair, plan, layer_bytes, compute)
         send.computed.record(pair.copy_stream)  # made now: the hot path uses its handle
-        send.kv_shape, send.kv_dtype = _kv_row_shape(t), t.layout.torch_dtype
         out.src_slots.record_stream(pair.copy_stream)
         if plan:
             self._stage(pair, out, send)  # now, not on the first layer's hot path
@@ -420,8 +417,8 @@ class NcclKVTransport(KVTransport):
         if send.copy is not None:
             send.copy.gather(first, layers, offset)
             return
-        kv = send.staging[offset : offset + layers * send.layer_bytes].view(send.kv_dtype)
-        self.gather(first, out.src_slots, kv.view(layers, *send.kv_shape), pair.copy_stream)
+        kv = self._kv_view(send.staging[offset:], layers, out.ticket)
+        self.gather(first, out.src_slots, kv, pair.copy_stream)
 
     def _issue(self, pair: Pair, send: _Send) -> None:
         """Queue the send of message ``send.issued``, after its gathers."""
