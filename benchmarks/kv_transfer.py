@@ -209,7 +209,7 @@ class Worker:
             computed = torch.cuda.Event()
             computed.record()
         if kind == "nccl":  # the host's pace: when each send_layer returned
-            t.host[ticket.request_id]["send_layer_at_each"] = [r - start for r in returned]
+            t.host[ticket.request_id]["send_layer_at_each"] = returned
         t.finish_send(ticket.request_id, TransferDone(ticket.request_id, 1))
         if not gap_us:
             return start, start
@@ -399,10 +399,11 @@ def time_transport(
         if kind == "nccl":
             h = ray.get([sender.host_times.remote(rid), receiver.host_times.remote(rid)])
             h = {**h[0], **h[1]}
-            for key in ("last_issue_at", "posted_at", "announce_read_at", "posting_at"):
-                h[key] -= start
-            for key in [k for k in h if k.endswith("_at_each") and k != "send_layer_at_each"]:
-                h[key] = [at - start for at in h[key]]
+            for key, value in h.items():  # host instants, from the sender's start
+                if key.endswith("_at"):
+                    h[key] = value - start
+                elif key.endswith("_at_each"):
+                    h[key] = [at - start for at in value]
         if i >= warmup:
             times.append(end - start)
             tails.append(end - computed)

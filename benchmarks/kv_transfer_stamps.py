@@ -43,7 +43,6 @@ class StampedNccl(_Stamp, NcclKVTransport):
         self.gpu_marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
         self._host_marks: dict[torch.cuda.Event, float] = {}  # host clock of each host mark
         self._mark_stream: torch.cuda.Stream | None = None
-        self._rid: str | None = None  # the sender's transfer being issued
         self._announce_read_at = float("nan")  # the receiver's last announce frame
         super().__init__(*args, **kwargs)
 
@@ -66,20 +65,21 @@ class StampedNccl(_Stamp, NcclKVTransport):
             self.host_mark("host: announce")
         super()._on_frame(conn, header)
 
-    def _span(self, what: str, stream: torch.cuda.Stream, queue) -> None:
-        """``queue()``, with timing events around it on ``stream`` when the timeline is on."""
+    def _span(self, what: str, stream: torch.cuda.Stream, queue) -> float:
+        """``queue()``, with timing events around it on ``stream`` when the timeline is on;
+        the host seconds ``queue()`` took."""
         if self.gpu_marks is None:
             begin = time.perf_counter()
             queue()
-            if self._rid is not None and what.split()[0] in ("gather", "send"):
-                key = f"{what.split()[0]}_call_each"
-                self._host(self._rid).setdefault(key, []).append(time.perf_counter() - begin)
-            return
-        begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        begin.record(stream)
+            return time.perf_counter() - begin
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record(stream)
+        begin = time.perf_counter()
         queue()
+        spent = time.perf_counter() - begin
         end.record(stream)
-        self.gpu_marks.append((what, begin, end))
+        self.gpu_marks.append((what, start, end))
+        return spent
 
     def host_mark(self, what: str) -> None:
         """With the timeline on, an instant on the GPU's clock for a moment of the host:
@@ -116,7 +116,6 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
     def _gather_layers(self, pair, out, send, end) -> None:
         h = self._host(out.ticket.request_id)
-        self._rid = out.ticket.request_id
         begin = time.perf_counter()
         super()._gather_layers(pair, out, send, end)
         done = time.perf_counter()
@@ -130,16 +129,18 @@ class StampedNccl(_Stamp, NcclKVTransport):
         queue = lambda: super(StampedNccl, self)._stage_layers(  # noqa: E731
             pair, out, send, first, layers, offset
         )
-        self._span(f"gather {first}+{layers}", pair.copy_stream, queue)
+        spent = self._span(f"gather {first}+{layers}", pair.copy_stream, queue)
+        self._host(out.ticket.request_id).setdefault("gather_call_each", []).append(spent)
 
     def _issue(self, pair, send) -> None:
         h = self._host(pair.sending[0].ticket.request_id)
-        self._rid = pair.sending[0].ticket.request_id
         nccl_send = pair.send
         h.setdefault("issue_in_at_each", []).append(time.perf_counter())
 
         def timed_send(buf, nbytes) -> None:
-            self._span(f"send {send.issued}", pair.nccl_stream, lambda: nccl_send(buf, nbytes))
+            queue = lambda: nccl_send(buf, nbytes)  # noqa: E731
+            spent = self._span(f"send {send.issued}", pair.nccl_stream, queue)
+            h.setdefault("send_call_each", []).append(spent)
 
         pair.send = timed_send
         begin = time.perf_counter()
