@@ -73,6 +73,7 @@ from splitserve.kernels.triton.rmsnorm import rms_norm
 MAX_M = 16  # ``linear`` uses the kernel up to this many rows, cuBLAS above (measured)
 DTYPES = (torch.bfloat16, torch.float16)
 REDUCE_BLOCK = 1024
+H200_SMS = 132  # the tiles' reference GPU: default_config's default, and the CPU interpreter's
 
 
 @dataclass(frozen=True)
@@ -330,7 +331,7 @@ def small_m_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         return F.linear(x, weight, bias) if k == 0 else out.view(*lead, n)
-    cfg = config or default_config(m, n, k, sm_count(x.device, off_gpu=132))  # CPU: an H200's
+    cfg = config or default_config(m, n, k, sm_count(x.device, off_gpu=H200_SMS))
     if (gated or norm is not None) and (m != 1 or cfg.use_dot or (norm and cfg.split_k > 1)):
         raise ValueError(
             f"the fused activation and norm run on the one-row GEMV (the norm without a K "
@@ -365,7 +366,7 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = 132) -> LinearConfig:
+def default_config(m: int, n: int, k: int, num_sms: int = H200_SMS) -> LinearConfig:
     """Tiles for ``[m, k] @ [n, k]^T`` on a GPU of ``num_sms`` SMs (module docstring).
 
     One row: the GEMV on ``[16, 512]`` tiles, no K split. More rows: ``tl.dot`` on
