@@ -109,6 +109,23 @@ class Side:
             self.transport.first_message_layers = 1
         return queued
 
+    def send_as_computed(self, ticket: bytes, src_blocks: list[int], seed: int) -> None:
+        """Send each layer right after the compute stream rewrites it, behind a stall: the
+        host reports every layer long before the GPU has written it."""
+        t = TransferTicket.unpack(ticket)
+        self.transport.start_send(t, src_blocks)
+        blocks = torch.tensor(src_blocks, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        with torch.cuda.device(self.device):
+            torch.cuda._sleep(STALL_CYCLES // 16)
+            for layer in range(NUM_LAYERS):
+                for cache in (self.cache.k[layer], self.cache.v[layer]):
+                    shape = (len(src_blocks), *cache.shape[1:])
+                    new = torch.randn(shape, generator=gen, device=self.device)
+                    cache[blocks] = new.to(cache.dtype)
+                self.transport.send_layer(t.request_id, layer)
+        self.transport.finish_send(t.request_id, TransferDone(t.request_id, 7))
+
     def send_together(self, tickets: list[bytes], src_blocks: list[list[int]], layers: int):
         """Start several transfers, then send their layers interleaved, as one step does."""
         tickets = [TransferTicket.unpack(t) for t in tickets]
@@ -283,6 +300,29 @@ def test_a_layer_is_gathered_when_reported_not_when_its_message_is_complete(side
     assert ok, error
     assert all(e[2] for e in ray.get(sender.events.remote()))
     _assert_arrived(sender, receiver, src, dst, 0, 32)
+
+
+@pytest.mark.parametrize("copy", ["fused", "torch"])
+def test_each_gather_waits_for_its_layers_compute(sides, copy):
+    """A layer reported while the compute stream is still writing it arrives as written,
+    not as it was (the gather waits for the compute stream, not for the host)."""
+    sender, receiver = sides
+    try:
+        for side in sides:
+            assert ray.get(side.set_fused_copy.remote(copy == "fused"))
+        src, dst = [21, 22], [23]
+        before = ray.get(sender.tokens.remote(src, 0, 32))
+        ticket = ray.get(receiver.expect.remote(f"computed-{copy}", dst, 0, 32))
+        seed = {"fused": 1, "torch": 2}[copy]  # values neither run wrote before
+        ray.get(sender.send_as_computed.remote(ticket, src, seed))
+        ((_, _, ok, error, _),) = ray.get(receiver.events.remote())
+        assert ok, error
+        assert all(e[2] for e in ray.get(sender.events.remote()))
+        assert not torch.equal(before, ray.get(sender.tokens.remote(src, 0, 32)))
+        _assert_arrived(sender, receiver, src, dst, 0, 32)
+    finally:
+        for side in sides:
+            ray.get(side.set_fused_copy.remote(True))
 
 
 @pytest.mark.parametrize("sent", [2, 3])  # plan (0, 1), (1, 2), (3, 1): 2 ends mid-message
