@@ -10,6 +10,7 @@ frame, so they agree on every message's size and order.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -50,29 +51,42 @@ class Pair:
         if self.aborted:
             raise ConnectionError(f"NCCL communicator {self.key} was aborted")
 
-    def send(self, buf: torch.Tensor, nbytes: int) -> None:
-        """Queue a send of ``buf``'s first ``nbytes`` on the NCCL stream; caller holds lock."""
-        with self.on_device():
-            self.comm.send(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
+    # Plain ints for the hot path, read once: torch's Stream properties cost a
+    # microsecond each.
+    @functools.cached_property
+    def device_index(self) -> int:
+        return self.nccl_stream.device.index
 
-    def recv(self, buf: torch.Tensor, nbytes: int) -> None:
-        """Queue a receive into ``buf``'s first ``nbytes``; caller holds lock."""
+    @functools.cached_property
+    def stream(self) -> int:
+        """The NCCL stream's handle."""
+        return self.nccl_stream.cuda_stream
+
+    @functools.cached_property
+    def copy_handle(self) -> int:
+        """The copy stream's handle."""
+        return self.copy_stream.cuda_stream
+
+    def send(self, ptr: int, nbytes: int) -> None:
+        """Queue a send of ``nbytes`` from device address ``ptr`` on the NCCL stream;
+        caller holds lock."""
         with self.on_device():
-            self.comm.recv(buf.data_ptr(), nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
+            self.comm.send(ptr, nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
+
+    def recv(self, ptr: int, nbytes: int) -> None:
+        """Queue a receive of ``nbytes`` into device address ``ptr``; caller holds lock."""
+        with self.on_device():
+            self.comm.recv(ptr, nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """The communicator's device as the current one (a no-op when it is, as in a
         worker that sees one GPU: the stream is passed to NCCL, not entered)."""
-        index = self.nccl_stream.device.index
+        index = self.device_index
         return (
             contextlib.nullcontext()
             if torch.cuda.current_device() == index
             else (torch.cuda.device(index))
         )
-
-    @property
-    def stream(self) -> int:
-        return self.nccl_stream.cuda_stream
 
 
 def message_plan(cap: int, num_layers: int, first: int = 1) -> list[tuple[int, int]]:

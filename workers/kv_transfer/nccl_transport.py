@@ -73,6 +73,7 @@ from splitserve.kernels.kv_gather import gather_kv, scatter_kv
 from splitserve.kernels.kv_gather_cuda import KVCopyLaunch, KVGatherKernel
 from splitserve.workers.kv_cache import KVCache
 from splitserve.workers.kv_transfer.base import Incoming, KVTransport, Outgoing, Peer, TransferState
+from splitserve.workers.kv_transfer.event_pool import EventPool, record, wait
 from splitserve.workers.kv_transfer.framing import Connection
 from splitserve.workers.kv_transfer.nccl_pair import (
     Pair,
@@ -97,6 +98,7 @@ Rendezvous = Callable[[TransferTicket, str, bytes], Any]
 
 _WARMUP_BYTES = 32 << 20  # the first send/recv of a pair connects its channels
 _RING = 2  # staging buffers per transfer and side: message i reuses i - 2's
+_SEND_EVENTS = 1 + 2 * _RING  # computed, staged per slot, sent per slot
 
 
 @dataclass(eq=False)
@@ -107,20 +109,30 @@ class _Send:
     plan: list[tuple[int, int]]  # (first layer, layers) per message
     layer_bytes: int
     compute: int  # the stream (handle) the layers are computed on: send_layer's current one
+    # Reused events from the pool (each wait on one is queued before it is recorded
+    # again): computed, then staged and sent per ring slot.
+    events: list[torch.cuda.Event]
     ready: int = 0  # layers passed to send_layer
     gathered: int = 0  # layers whose gather is queued
     issued: int = 0  # messages whose send is queued
     dropped: bool = False  # the rest of the plan goes out as filler
     staging: torch.Tensor | None = None  # the ring: _RING slots, flat uint8, one allocation
+    staging_at: int = 0  # its device address
     slot_bytes: int = 0  # one slot's size (the largest message)
     copy: KVCopyLaunch | None = None  # fused gathers into the ring (None: torch copies)
-    sent: list[torch.cuda.Event | None] = field(default_factory=lambda: [None] * _RING)
-    # Reused events (each wait on one is queued before it is recorded again).
-    # ``computed`` is recorded and waited for through its handle (once a layer).
-    computed: torch.cuda.Event = field(default_factory=torch.cuda.Event)
-    staged: list[torch.cuda.Event] = field(
-        default_factory=lambda: [torch.cuda.Event() for _ in range(_RING)]
-    )
+
+    @property
+    def computed(self) -> torch.cuda.Event:
+        """Recorded on the compute stream once a layer, for the copy stream to wait on."""
+        return self.events[0]
+
+    def staged(self, slot: int) -> torch.cuda.Event:
+        """The gathers into ``slot`` that its send waits for."""
+        return self.events[1 + slot]
+
+    def sent(self, slot: int) -> torch.cuda.Event:
+        """The last send from ``slot``, which the next gathers into it wait for."""
+        return self.events[1 + _RING + slot]
 
 
 @dataclass(eq=False)
@@ -129,9 +141,16 @@ class _Recv:
 
     pair: Pair
     live: torch.Tensor | None  # int32 flag the scatter kernel reads; None: torch copies
+    spare: list[torch.cuda.Event]  # from the pool: two per message, taken as queued
     copy: KVCopyLaunch | None = None  # fused scatters from the staging ring
     received: list[torch.cuda.Event] = field(default_factory=list)  # per message
     scattered: list[torch.cuda.Event] = field(default_factory=list)  # per message
+
+    def record_next(self, done: list[torch.cuda.Event], stream: int) -> None:
+        """Append to ``done`` a spare event marking what ``stream`` has queued now."""
+        event = self.spare.pop()
+        record(event, stream)
+        done.append(event)
 
 
 class NcclKVTransport(KVTransport):
@@ -167,6 +186,7 @@ class NcclKVTransport(KVTransport):
         self._kernel = KVGatherKernel.build(kv_cache.k, kv_cache.v)
         self._fused_copy = fused_copy and self._kernel is not None
         self._flag_stream = torch.cuda.Stream(self.device)  # live flags: never waits on others
+        self._cuda_events = EventPool(self._flag_stream, ready=64)
 
     # ---- making pairs ---------------------------------------------------------
 
@@ -247,7 +267,7 @@ class NcclKVTransport(KVTransport):
         # ranks in the call: do that here, not under the first real transfer.
         with torch.cuda.stream(pair.nccl_stream):
             warm = torch.zeros(_WARMUP_BYTES, dtype=torch.uint8, device=device)
-        (pair.send if rank == 0 else pair.recv)(warm, _WARMUP_BYTES)
+        (pair.send if rank == 0 else pair.recv)(warm.data_ptr(), _WARMUP_BYTES)
         pair.nccl_stream.synchronize()
         return pair
 
@@ -276,12 +296,15 @@ class NcclKVTransport(KVTransport):
         """Also mark the compute stream: the scatters wait for what is queued there now.
 
         The ticket's blocks may have been freed by a request whose last step is still
-        queued (async scheduling); that step's writes must land before the KV.
+        queued (async scheduling); that step's writes must land before the KV. The
+        transfer's live flag is made here too, not when its announce comes.
         """
         super().expect(ticket)  # queues the copy of the slots, also waited for
         blocks_free = _record(torch.cuda.current_stream(self.device))
+        live = self._live_flag() if self.fused_copy else None
         with self._lock:
-            self._incoming[ticket.request_id].extra["blocks_free"] = blocks_free
+            extra = self._incoming[ticket.request_id].extra
+            extra["blocks_free"], extra["live"] = blocks_free, live
 
     def start_send(self, ticket: TransferTicket, src_block_ids: list[int]) -> None:
         """Open the transfer and announce its plan, so the receiver queues its receives now."""
@@ -304,8 +327,8 @@ class NcclKVTransport(KVTransport):
         plan = message_plan(self.layers_per_message, t.num_layers, self.first_message_layers)
         layer_bytes = self.transfer_bytes(t) // max(t.num_layers, 1)
         compute = _current_stream(self.device)
-        send = out.extra["send"] = _Send(pair, plan, layer_bytes, compute)
-        send.computed.record(pair.copy_stream)  # made now: the hot path uses its handle
+        events = self._cuda_events.take(_SEND_EVENTS)
+        send = out.extra["send"] = _Send(pair, plan, layer_bytes, compute, events)
         out.src_slots.record_stream(pair.copy_stream)
         if plan:
             self._stage(pair, out, send)  # now, not on the first layer's hot path
@@ -322,6 +345,7 @@ class NcclKVTransport(KVTransport):
         count = min(_RING, len(send.plan))
         with torch.cuda.stream(pair.copy_stream):
             send.staging = self._bytes(count * nbytes)
+        send.staging_at = send.staging.data_ptr()
         send.staging.record_stream(pair.nccl_stream)
         if self.fused_copy:
             send.copy = self._kernel.bind(out.src_slots, send.staging, pair.copy_stream)
@@ -373,6 +397,7 @@ class NcclKVTransport(KVTransport):
                         return
                     pair.sending.popleft()
                     send.staging = send.copy = None  # reused after their sends
+                    self._cuda_events.give(send.events)
         except Exception as e:
             if not isinstance(e, nccl.NcclError):
                 logger.exception("queueing a KV send failed")
@@ -397,14 +422,11 @@ class NcclKVTransport(KVTransport):
         i = send.issued
         first = send.plan[i][0]
         slot = i % _RING
-        # The layers are computed. Through the handles: torch's Event and Stream calls
-        # cost 1-3 us each, once a layer; the runtime's act on the current device.
-        computed = send.computed.cuda_event
         with pair.on_device():
-            cupy.cuda.runtime.eventRecord(computed, send.compute)
-            cupy.cuda.runtime.streamWaitEvent(pair.copy_stream.cuda_stream, computed, 0)
-        if send.gathered == first and send.sent[slot] is not None:
-            pair.copy_stream.wait_event(send.sent[slot])  # and the buffer's last send is done
+            record(send.computed, send.compute)  # the layers are computed
+            wait(pair.copy_handle, send.computed)
+            if send.gathered == first and i >= _RING:  # and the slot's last send is done
+                wait(pair.copy_handle, send.sent(slot))
         begin, layers = send.gathered, end - send.gathered
         offset = slot * send.slot_bytes + (begin - first) * send.layer_bytes
         self._stage_layers(pair, out, send, begin, layers, offset)
@@ -425,14 +447,13 @@ class NcclKVTransport(KVTransport):
         i = send.issued
         first, layers = send.plan[i]
         slot = i % _RING
-        if send.gathered > first:  # its layers' gathers are queued (not filler)
-            send.staged[slot].record(pair.copy_stream)
-            pair.nccl_stream.wait_event(send.staged[slot])
-        buf = send.staging[slot * send.slot_bytes :]
-        pair.send(buf, layers * send.layer_bytes)  # filler: whatever it holds
-        if send.sent[slot] is None:
-            send.sent[slot] = torch.cuda.Event()
-        send.sent[slot].record(pair.nccl_stream)
+        with pair.on_device():
+            if send.gathered > first:  # its layers' gathers are queued (not filler)
+                record(send.staged(slot), pair.copy_handle)
+                wait(pair.stream, send.staged(slot))
+            at = send.staging_at + slot * send.slot_bytes
+            pair.send(at, layers * send.layer_bytes)  # filler: whatever it holds
+            record(send.sent(slot), pair.stream)
         send.issued += 1
 
     def _peer_lost(self, peer: Peer, error: str) -> None:
@@ -482,23 +503,20 @@ class NcclKVTransport(KVTransport):
         count = min(_RING, len(plan)) if inc is not None else 1
         with torch.cuda.stream(pair.nccl_stream):
             staging = self._bytes(count * nbytes)  # one allocation for the ring
-        ring = [staging[j * nbytes : (j + 1) * nbytes] for j in range(count)]
+        ring = [staging.data_ptr() + j * nbytes for j in range(count)]
         recv = None
         if inc is not None:
-            recv = inc.extra["recv"] = _Recv(pair, None)
+            if self.fused_copy and inc.extra["live"] is None:  # fused copies turned on since
+                inc.extra["live"] = self._live_flag()
+            live = inc.extra["live"][0] if self.fused_copy else None
+            recv = _Recv(pair, live, self._cuda_events.take(2 * len(plan)))
+            inc.extra["recv"] = recv
         with pair.lock:
             pair.check_open()
             # Receive 0 first: the sender may be waiting for it; the rest of the set-up after.
             self._queue_recv(pair, recv, ring, plan, 0, layer_bytes)
             if inc is not None:
-                pair.copy_stream.wait_event(inc.extra["blocks_free"])
-                recv.live = self._live_flag(pair)  # before any scatter is queued
-                inc.dst_slots.record_stream(pair.copy_stream)
-                staging.record_stream(pair.copy_stream)
-                if self.fused_copy:
-                    recv.copy = self._kernel.bind(
-                        inc.dst_slots, staging, pair.copy_stream, recv.live
-                    )
+                self._prepare_scatters(pair, recv, inc, staging)
             for i in range(1, len(plan) + 1):
                 if i < len(plan):
                     self._queue_recv(pair, recv, ring, plan, i, layer_bytes)
@@ -506,21 +524,37 @@ class NcclKVTransport(KVTransport):
                     slot = (i - 1) % len(ring)
                     self._queue_scatter(pair, recv, plan[i - 1], staging, slot * nbytes, inc)
 
+    def _prepare_scatters(
+        self, pair: Pair, recv: _Recv, inc: Incoming, staging: torch.Tensor
+    ) -> None:
+        """Order the copy stream after the blocks' last use and the live flag's write,
+        and bind the scatters to the staging ring; before any scatter is queued."""
+        pair.copy_stream.wait_event(inc.extra["blocks_free"])
+        if recv.live is not None:
+            pair.copy_stream.wait_event(inc.extra["live"][1])  # it holds 1
+            recv.live.record_stream(pair.copy_stream)
+        inc.dst_slots.record_stream(pair.copy_stream)
+        staging.record_stream(pair.copy_stream)
+        if self.fused_copy:
+            recv.copy = self._kernel.bind(inc.dst_slots, staging, pair.copy_stream, recv.live)
+
     def _queue_recv(self, pair: Pair, recv: _Recv | None, ring, plan, i: int, layer_bytes: int):
         """Receive message ``i`` into its ring buffer, once message i - 2's scatter is done."""
-        if recv is not None and i >= _RING:
-            pair.nccl_stream.wait_event(recv.scattered[i - _RING])
-        pair.recv(ring[i % len(ring)], plan[i][1] * layer_bytes)
-        if recv is not None:
-            recv.received.append(_record(pair.nccl_stream))
+        with pair.on_device():
+            if recv is not None and i >= _RING:
+                wait(pair.stream, recv.scattered[i - _RING])
+            pair.recv(ring[i % len(ring)], plan[i][1] * layer_bytes)
+            if recv is not None:
+                recv.record_next(recv.received, pair.stream)
 
     def _queue_scatter(
         self, pair: Pair, recv: _Recv, message, staging: torch.Tensor, offset: int, inc: Incoming
     ) -> None:
         """Scatter ``message`` from byte ``offset`` of the staging ring, after its receive."""
-        pair.copy_stream.wait_event(recv.received[len(recv.scattered)])
-        self._unstage_layers(pair, recv, message, staging, offset, inc)
-        recv.scattered.append(_record(pair.copy_stream))
+        with pair.on_device():
+            wait(pair.copy_handle, recv.received[len(recv.scattered)])
+            self._unstage_layers(pair, recv, message, staging, offset, inc)
+            recv.record_next(recv.scattered, pair.copy_handle)
 
     def _unstage_layers(
         self, pair: Pair, recv: _Recv, message, staging: torch.Tensor, offset: int, inc: Incoming
@@ -533,15 +567,11 @@ class NcclKVTransport(KVTransport):
         kv = self._kv_view(staging[offset:], layers, inc.ticket)
         self.scatter(first, inc.dst_slots, kv, recv.live, pair.copy_stream)
 
-    def _live_flag(self, pair: Pair) -> torch.Tensor | None:
-        """A new int32 1 on the device, set before any scatter of ``pair`` reads it."""
-        if not self.fused_copy:
-            return None
+    def _live_flag(self) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A new int32 1 on the device, and the event after which it holds 1."""
         with torch.cuda.stream(self._flag_stream):
             live = torch.ones(1, dtype=torch.int32, device=self.device)
-        pair.copy_stream.wait_event(_record(self._flag_stream))
-        live.record_stream(pair.copy_stream)
-        return live
+        return live, _record(self._flag_stream)
 
     def _on_done(self, conn: Connection, header: dict[str, Any]) -> None:
         # Wait for the last scatter here, outside the lock; base._on_done then finds it done.
@@ -565,12 +595,27 @@ class NcclKVTransport(KVTransport):
         recv: _Recv | None = inc.extra.get("recv")
         if recv is not None and recv.scattered:
             recv.scattered[-1].synchronize()  # done already (see _on_done)
+            self._give_events(recv)
+
+    def _give_events(self, recv: _Recv) -> None:
+        """Back to the pool once every receive and scatter is done (the last scatter
+        waited for them all); otherwise they are left to the garbage collector."""
+        if recv.scattered and recv.scattered[-1].query():
+            self._cuda_events.give(recv.received + recv.scattered + recv.spare)
+        recv.received, recv.scattered, recv.spare = [], [], []
 
     def _release_incoming(self, inc: Incoming) -> None:
         """No scatter may write into the blocks after this returns (caller holds the lock)."""
         recv: _Recv | None = inc.extra.get("recv")
-        if recv is None or not recv.scattered or recv.scattered[-1].query():
+        if recv is None:
             return
+        if recv.scattered and not recv.scattered[-1].query():
+            self._stop_scatters(inc, recv)
+        self._give_events(recv)
+
+    def _stop_scatters(self, inc: Incoming, recv: _Recv) -> None:
+        """Make sure no scatter of ``recv`` writes from now on: through its live flag, or
+        (torch copies) by waiting for them."""
         rid, pair = inc.ticket.request_id, recv.pair
         if recv.live is None:  # torch copies: wait for the sender's bytes, as far as it goes
             if not wait_event(recv.scattered[-1], pair, max(inc.deadline, time.monotonic() + 1)):
