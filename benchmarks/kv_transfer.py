@@ -9,7 +9,10 @@ Two Ray actors, one GPU each (each sees only its own, as a Serve replica does;
 receiver, the prompt's blocks drawn at random from a cache four times its size.
 One hand-off moves every layer of a --tokens prompt (4096: 36 x 16.8 MB), all
 layers ready at the start (the catch-up case; in serving each layer waits for
-its compute).
+its compute). As in an engine, the sender's host queues each layer's compute (a
+kernel, empty here) before reporting the layer with ``send_layer``: a host that
+queued nothing before the hand-off is cold, and its first calls cost two to four
+times as much.
 
 - transport: from just before the first ``send_layer`` (sender) to the moment
   the receiver's transport has the last layer scattered into its blocks
@@ -27,13 +30,15 @@ its compute).
 - gather / scatter alone: the transport's index_select / index_copy_ kernels
   for all layers on one GPU, without any transfer.
 - cpu: the CPU transport (bytes in the TCP frames) on a --cpu-tokens prompt.
-- host times: the sender's gathers (one launch per layer, with their event waits)
-  and sends, and the receiver's posting of every receive and scatter, summed per
-  transfer; and the sender's pace, printed under each row (JSON ``host_pace_us``):
-  when each ``send_layer`` returned, when each gather and each message's issue
-  began (us from the start), and the host time of each gather launch, NCCL send
-  call and message issue; the receiver's, when it read the announce frame,
-  began posting and called each receive.
+- host times (--pace: each row timed again with host stamps, which slow the host
+  by a few microseconds a call; the rows themselves are timed without them): the
+  sender's gathers (one launch per layer, with their event waits) and sends, and
+  the receiver's posting of every receive and scatter, summed per transfer; and
+  the sender's pace, printed under each row (JSON ``host_pace_us``): when each
+  ``send_layer`` returned, when each gather and each message's issue began (us
+  from the start), and the host time of each gather launch, NCCL send call and
+  message issue; the receiver's, when it read the announce frame, began posting
+  and called each receive.
 - --timeline: one more hand-off with CUDA events around each gather, send,
   receive and scatter, and host instants on the GPU's clock (the sender's
   start, the receiver's "done" frame and end stamp), printed per GPU (where
@@ -163,6 +168,10 @@ class Worker:
 
     def set_timeline(self, on: bool) -> None:
         self.transports["nccl"].gpu_marks = [] if on else None
+        self.set_pace(on)
+
+    def set_pace(self, on: bool) -> None:
+        self.transports["nccl"].pace = on
 
     def timeline(self) -> list[tuple[str, float, float]]:
         return self.transports["nccl"].timeline()
@@ -184,8 +193,9 @@ class Worker:
     def send(
         self, kind: str, ticket: bytes, gap_us: float = 0, posted_first: bool = False
     ) -> tuple[float, float]:
-        """Send every layer, each after a compute-stream sleep of ``gap_us``; return the
-        sender's clock just before the first layer and when the last sleep ended.
+        """Send every layer, each after a compute-stream sleep of ``gap_us`` (an empty
+        kernel at 0); return the sender's clock just before the first layer and when the
+        last sleep ended.
         ``posted_first``: start only once the receiver has queued its receives (as it
         has in serving, where the announce goes out before the prefill computes)."""
         t, ticket = self.transports[kind], TransferTicket.unpack(ticket)
@@ -202,14 +212,15 @@ class Worker:
         returned = []
         with torch.cuda.device(self.device):
             for layer in range(LAYERS):
-                if gap_us:
-                    torch.cuda._sleep(int(gap_us * self.sleep_cycles_per_us))
+                # The layer's compute: a kernel the host queues before reporting the layer,
+                # as an engine does; it returns at once when gap_us is 0.
+                torch.cuda._sleep(int(gap_us * self.sleep_cycles_per_us))
                 t.send_layer(ticket.request_id, layer)
                 returned.append(time.perf_counter())
             computed = torch.cuda.Event()
             computed.record()
         if kind == "nccl":  # the host's pace: when each send_layer returned
-            t.host[ticket.request_id]["send_layer_at_each"] = returned
+            t.host.setdefault(ticket.request_id, {})["send_layer_at_each"] = returned
         t.finish_send(ticket.request_id, TransferDone(ticket.request_id, 1))
         if not gap_us:
             return start, start
@@ -549,6 +560,12 @@ def main() -> None:
         action="store_true",
         help="also time every gather, send, receive and scatter of one hand-off on the GPUs",
     )
+    ap.add_argument(
+        "--pace",
+        action="store_true",
+        help="time each row again with host stamps and print the sender's and receiver's "
+        "pace under it (the stamps slow the host, so the rows are timed without them)",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument(
@@ -612,6 +629,13 @@ def main() -> None:
         seconds, tail, intact, host = time_transport(
             sender, receiver, "nccl", tag, w, r, gap, posted_first
         )
+        paced = None
+        if args.pace:  # again, with the host stamps (which slow the host a little)
+            ray.get([side.set_pace.remote(True) for side in (sender, receiver)])
+            paced, _, _, host = time_transport(
+                sender, receiver, "nccl", tag + "-pace", 1, r, gap, posted_first
+            )
+            ray.get([side.set_pace.remote(False) for side in (sender, receiver)])
         ray.get(sender.raw_issue_ms.remote())
         raw_same = time_raw(sender, receiver, sizes, w, r)
         raw_issue_ms = ray.get(sender.raw_issue_ms.remote())
@@ -621,8 +645,9 @@ def main() -> None:
             f"m={m} first={first} {copy} gap={gap:g}us posted_first={posted_first}: "
             f"{seconds * 1e3:.3f} ms, "
             f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms (issued in "
-            f"{raw_issue_ms:.3f}); host (ms): "
-            + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in scalars.items()),
+            f"{raw_issue_ms:.3f})"
+            + (f"; with host stamps {paced * 1e3:.3f} ms, host (ms): " if paced else "")
+            + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in scalars.items() if paced),
             flush=True,
         )
         for key, each in pace.items():
@@ -635,7 +660,8 @@ def main() -> None:
                 "first_message_layers": first,
                 "layer_gap_us": gap,
                 "posted_first": posted_first,
-                "host_ms": {k: round(v * 1e3, 3) for k, v in scalars.items()},
+                "paced_ms": round(paced * 1e3, 3) if paced else None,
+                "host_ms": {k: round(v * 1e3, 3) for k, v in scalars.items()} if paced else {},
                 "host_pace_us": pace,
                 "tail_ms": round(tail * 1e3, 3) if gap else None,
                 "messages": len(sizes),

@@ -33,10 +33,13 @@ class _Stamp:
 
 
 class StampedNccl(_Stamp, NcclKVTransport):
-    """Also stamps the host work per transfer: the sender's gathers (with their event
-    waits) and sends, and the receiver's posting of all receives and scatters."""
+    """With ``pace`` on, also stamps the host work per transfer: the sender's gathers
+    (with their event waits) and sends, and the receiver's posting of all receives and
+    scatters. The stamps cost the host a few microseconds a call, so hand-offs are
+    timed with ``pace`` off; the receiver then stamps only when it has posted."""
 
     def __init__(self, *args, **kwargs):
+        self.pace = False
         self.host: dict[str, dict[str, float]] = {}
         # With --timeline: (what, begin, end) CUDA events around each gather, send,
         # receive and scatter, in queue order (None: off).
@@ -115,6 +118,8 @@ class StampedNccl(_Stamp, NcclKVTransport):
         return self.host.setdefault(rid, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0})
 
     def _gather_layers(self, pair, out, send, end) -> None:
+        if not self.pace:
+            return super()._gather_layers(pair, out, send, end)
         h = self._host(out.ticket.request_id)
         begin = time.perf_counter()
         super()._gather_layers(pair, out, send, end)
@@ -126,6 +131,8 @@ class StampedNccl(_Stamp, NcclKVTransport):
         h.setdefault("gather_out_at_each", []).append(done)
 
     def _stage_layers(self, pair, out, send, first, layers, offset) -> None:
+        if not self.pace:
+            return super()._stage_layers(pair, out, send, first, layers, offset)
         queue = lambda: super(StampedNccl, self)._stage_layers(  # noqa: E731
             pair, out, send, first, layers, offset
         )
@@ -133,6 +140,8 @@ class StampedNccl(_Stamp, NcclKVTransport):
         self._host(out.ticket.request_id).setdefault("gather_call_each", []).append(spent)
 
     def _issue(self, pair, send) -> None:
+        if not self.pace:
+            return super()._issue(pair, send)
         h = self._host(pair.sending[0].ticket.request_id)
         nccl_send = pair.send
         h.setdefault("issue_in_at_each", []).append(time.perf_counter())
@@ -155,12 +164,19 @@ class StampedNccl(_Stamp, NcclKVTransport):
         h["last_issue_at"] = end
 
     def _unstage_layers(self, pair, recv, message, staging, offset, inc) -> None:
+        if not self.pace:
+            return super()._unstage_layers(pair, recv, message, staging, offset, inc)
         queue = lambda: super(StampedNccl, self)._unstage_layers(  # noqa: E731
             pair, recv, message, staging, offset, inc
         )
         self._span(f"scatter {message[0]}+{message[1]}", pair.copy_stream, queue)
 
     def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
+        if not self.pace:
+            super()._post_receives(pair, plan, layer_bytes, inc)
+            if inc is not None:  # what posted_first waits for
+                self.host[inc.ticket.request_id] = {"posted_at": time.perf_counter()}
+            return
         begin = time.perf_counter()
         self.host_mark("host: posting")
         nccl_recv, count, called = pair.recv, iter(range(len(plan))), []

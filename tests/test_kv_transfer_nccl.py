@@ -64,6 +64,9 @@ class Side:
     def set_layers_per_message(self, n: int) -> None:
         self.transport.layers_per_message = n
 
+    def free_cuda_events(self) -> int:
+        return self.transport._cuda_events.free
+
     def set_fused_copy(self, fused: bool) -> bool:
         if self.transport._kernel is None:
             return False  # the kernels did not compile
@@ -257,11 +260,14 @@ def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_p
 def test_many_transfers_in_a_row_stay_ordered(sides):
     sender, receiver = sides
     ray.get(sender.set_layers_per_message.remote(2))
+    free = ray.get([side.free_cuda_events.remote() for side in sides])
     for i in range(12):  # 32 tokens each, from distinct blocks into distinct blocks
         _hand_off(sender, receiver, f"many{i}", [1 + 2 * i, 2 + 2 * i], [30 + i], 0, 32, first=i)
     events = ray.get(receiver.events.remote(12))
     assert sorted(e[4] for e in events) == list(range(12)) and all(e[2] for e in events)
     assert all(e[2] for e in ray.get(sender.events.remote(12)))
+    # Each transfer's CUDA events went back to the pools: none made, none lost.
+    assert ray.get([side.free_cuda_events.remote() for side in sides]) == free
     for i in range(12):
         _assert_arrived(sender, receiver, [1 + 2 * i, 2 + 2 * i], [30 + i], 0, 32)
     ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))

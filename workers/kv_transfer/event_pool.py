@@ -33,6 +33,11 @@ class EventPool:
         self._lock = threading.Lock()
         self.give(self._make(ready))
 
+    @property
+    def free(self) -> int:
+        """How many events wait in the pool."""
+        return len(self._free)
+
     def take(self, n: int) -> list[torch.cuda.Event]:
         """``n`` events, each recorded at least once (so each has a handle)."""
         with self._lock:
