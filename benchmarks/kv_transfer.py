@@ -641,13 +641,15 @@ def main() -> None:
         raw_issue_ms = ray.get(sender.raw_issue_ms.remote())
         scalars = {k: v for k, v in host.items() if not isinstance(v, list)}
         pace = {k: [round(x * 1e6, 1) for x in v] for k, v in host.items() if isinstance(v, list)}
+        stamped = ""
+        if paced:
+            stamped = f"; with host stamps {paced * 1e3:.3f} ms, host (ms): " + ", ".join(
+                f"{k} {v * 1e3:.3f}" for k, v in scalars.items()
+            )
         print(
             f"m={m} first={first} {copy} gap={gap:g}us posted_first={posted_first}: "
-            f"{seconds * 1e3:.3f} ms, "
-            f"tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms (issued in "
-            f"{raw_issue_ms:.3f})"
-            + (f"; with host stamps {paced * 1e3:.3f} ms, host (ms): " if paced else "")
-            + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in scalars.items() if paced),
+            f"{seconds * 1e3:.3f} ms, tail {tail * 1e3:.3f} ms, raw {raw_same * 1e3:.3f} ms "
+            f"(issued in {raw_issue_ms:.3f}){stamped}",
             flush=True,
         )
         for key, each in pace.items():

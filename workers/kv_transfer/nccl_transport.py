@@ -301,10 +301,10 @@ class NcclKVTransport(KVTransport):
         """
         super().expect(ticket)  # queues the copy of the slots, also waited for
         blocks_free = _record(torch.cuda.current_stream(self.device))
-        live = self._live_flag() if self.fused_copy else None
+        live, live_set = self._live_flag()  # read only by fused scatters
         with self._lock:
             extra = self._incoming[ticket.request_id].extra
-            extra["blocks_free"], extra["live"] = blocks_free, live
+            extra["blocks_free"], extra["live"], extra["live_set"] = blocks_free, live, live_set
 
     def start_send(self, ticket: TransferTicket, src_block_ids: list[int]) -> None:
         """Open the transfer and announce its plan, so the receiver queues its receives now."""
@@ -506,9 +506,7 @@ class NcclKVTransport(KVTransport):
         ring = [staging.data_ptr() + j * nbytes for j in range(count)]
         recv = None
         if inc is not None:
-            if self.fused_copy and inc.extra["live"] is None:  # fused copies turned on since
-                inc.extra["live"] = self._live_flag()
-            live = inc.extra["live"][0] if self.fused_copy else None
+            live = inc.extra["live"] if self.fused_copy else None
             recv = _Recv(pair, live, self._cuda_events.take(2 * len(plan)))
             inc.extra["recv"] = recv
         with pair.lock:
@@ -531,7 +529,7 @@ class NcclKVTransport(KVTransport):
         and bind the scatters to the staging ring; before any scatter is queued."""
         pair.copy_stream.wait_event(inc.extra["blocks_free"])
         if recv.live is not None:
-            pair.copy_stream.wait_event(inc.extra["live"][1])  # it holds 1
+            pair.copy_stream.wait_event(inc.extra["live_set"])  # it holds 1
             recv.live.record_stream(pair.copy_stream)
         inc.dst_slots.record_stream(pair.copy_stream)
         staging.record_stream(pair.copy_stream)
