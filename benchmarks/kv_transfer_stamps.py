@@ -171,11 +171,10 @@ class StampedNccl(_Stamp, NcclKVTransport):
         )
         self._span(f"scatter {message[0]}+{message[1]}", pair.copy_stream, queue)
 
-    def _post_receives(self, pair, plan, layer_bytes, inc) -> None:
+    def _post_receives(self, pair, conn, rid, plan, layer_bytes) -> None:
         if not self.pace:
-            super()._post_receives(pair, plan, layer_bytes, inc)
-            if inc is not None:  # what posted_first waits for
-                self.host[inc.ticket.request_id] = {"posted_at": time.perf_counter()}
+            super()._post_receives(pair, conn, rid, plan, layer_bytes)
+            self.host[rid] = {"posted_at": time.perf_counter()}  # what posted_first waits for
             return
         begin = time.perf_counter()
         self.host_mark("host: posting")
@@ -190,18 +189,17 @@ class StampedNccl(_Stamp, NcclKVTransport):
 
         pair.recv = marked_recv
         try:
-            super()._post_receives(pair, plan, layer_bytes, inc)
+            super()._post_receives(pair, conn, rid, plan, layer_bytes)
         finally:
             del pair.recv
-        if inc is not None:
-            end = time.perf_counter()
-            self.host[inc.ticket.request_id] = {
-                "post_s": end - begin,
-                "posted_at": end,
-                "announce_read_at": self._announce_read_at,
-                "posting_at": begin,
-                "recv_call_at_each": called,
-            }
+        end = time.perf_counter()
+        self.host[rid] = {
+            "post_s": end - begin,
+            "posted_at": end,
+            "announce_read_at": self._announce_read_at,
+            "posting_at": begin,
+            "recv_call_at_each": called,
+        }
 
 
 class StampedCpu(_Stamp, CpuKVTransport):

@@ -61,8 +61,20 @@ class Side:
     def join(self, pair_key: str, unique_id: bytes) -> None:
         self.transport.join(pair_key, unique_id)
 
-    def set_layers_per_message(self, n: int) -> None:
+    def set_layers_per_message(self, n: int, first: int = 1) -> None:
         self.transport.layers_per_message = n
+        self.transport.first_message_layers = first
+
+    def receive_rings(self) -> list[tuple[int, int]]:
+        """(address, bytes) of each receiving pair's staging ring."""
+        pairs = self.transport._recv_pairs
+        return [(p.ring.data_ptr(), p.ring.numel()) for p in pairs if p.ring is not None]
+
+    def hold_copy_streams(self, cycles: int) -> None:
+        """Keep each receiving pair's copy stream busy: the scatters queued next wait."""
+        for pair in self.transport._recv_pairs:
+            with torch.cuda.device(self.device), torch.cuda.stream(pair.copy_stream):
+                torch.cuda._sleep(cycles)
 
     def free_cuda_events(self) -> int:
         return self.transport._cuda_events.free
@@ -260,17 +272,45 @@ def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_p
 def test_many_transfers_in_a_row_stay_ordered(sides):
     sender, receiver = sides
     ray.get(sender.set_layers_per_message.remote(2))
-    free = ray.get([side.free_cuda_events.remote() for side in sides])
+    free = None
     for i in range(12):  # 32 tokens each, from distinct blocks into distinct blocks
         _hand_off(sender, receiver, f"many{i}", [1 + 2 * i, 2 + 2 * i], [30 + i], 0, 32, first=i)
-    events = ray.get(receiver.events.remote(12))
-    assert sorted(e[4] for e in events) == list(range(12)) and all(e[2] for e in events)
-    assert all(e[2] for e in ray.get(sender.events.remote(12)))
+        if i == 0:  # after the pair's first transfer, which takes its ring's own event
+            ray.get([receiver.events.remote(), sender.events.remote()])
+            free = ray.get([side.free_cuda_events.remote() for side in sides])
+    events = ray.get(receiver.events.remote(11))
+    assert sorted(e[4] for e in events) == list(range(1, 12)) and all(e[2] for e in events)
+    assert all(e[2] for e in ray.get(sender.events.remote(11)))
     # Each transfer's CUDA events went back to the pools: none made, none lost.
     assert ray.get([side.free_cuda_events.remote() for side in sides]) == free
     for i in range(12):
         _assert_arrived(sender, receiver, [1 + 2 * i, 2 + 2 * i], [30 + i], 0, 32)
     ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
+
+
+@pytest.mark.parametrize("copy", ["fused", "torch"])
+def test_the_receive_ring_is_kept_and_refilled_only_after_its_scatters(sides, copy):
+    """Two transfers in a row, each one message (so no receive of a transfer waits for
+    its own scatters), while the receiver's copy stream is held: the second one's
+    receive must wait for the first one's scatter out of the same ring buffer."""
+    sender, receiver = sides
+    if not ray.get(receiver.set_fused_copy.remote(copy == "fused")):
+        pytest.skip("the fused copy kernels did not compile")
+    ray.get(sender.set_layers_per_message.remote(NUM_LAYERS, NUM_LAYERS))
+    _hand_off(sender, receiver, f"ring-{copy}", [3, 4], [5], 0, 30)
+    ray.get([receiver.events.remote(), sender.events.remote()])
+    ring = ray.get(receiver.receive_rings.remote())
+    assert ring
+    ray.get(receiver.hold_copy_streams.remote(STALL_CYCLES // 4))
+    _hand_off(sender, receiver, f"ring-{copy}-a", [6, 7], [8], 0, 30)
+    _hand_off(sender, receiver, f"ring-{copy}-b", [9, 10], [11], 0, 30)
+    assert all(e[2] for e in ray.get(receiver.events.remote(2)))
+    assert all(e[2] for e in ray.get(sender.events.remote(2)))
+    _assert_arrived(sender, receiver, [6, 7], [8], 0, 30)
+    _assert_arrived(sender, receiver, [9, 10], [11], 0, 30)
+    assert ray.get(receiver.receive_rings.remote()) == ring  # the same buffer throughout
+    ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
+    ray.get(receiver.set_fused_copy.remote(True))
 
 
 @pytest.mark.parametrize("layers_per_message", [1, 2])

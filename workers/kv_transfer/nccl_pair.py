@@ -45,6 +45,10 @@ class Pair:
     aborted: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     sending: deque = field(default_factory=deque)  # sender: Outgoing, in announce order
+    # Receiver: the staging ring, kept from one transfer to the next, and an event
+    # after the last scatter queued from it (``NcclKVTransport._recv_ring``).
+    ring: torch.Tensor | None = None
+    ring_free: torch.cuda.Event | None = None
 
     def check_open(self) -> None:
         """Raise ConnectionError once the communicator was aborted; caller holds lock."""
