@@ -290,9 +290,9 @@ def test_many_transfers_in_a_row_stay_ordered(sides):
 
 @pytest.mark.parametrize("copy", ["fused", "torch"])
 def test_the_receive_ring_is_kept_and_refilled_only_after_its_scatters(sides, copy):
-    """Two transfers in a row, each one message (so no receive of a transfer waits for
-    its own scatters), while the receiver's copy stream is held: the second one's
-    receive must wait for the first one's scatter out of the same ring buffer."""
+    """Two transfers announced together, each one message (so no receive of a transfer
+    waits for its own scatters), while the receiver's copy stream is held: the second
+    one's receive must wait for the first one's scatter out of the same ring buffer."""
     sender, receiver = sides
     if not ray.get(receiver.set_fused_copy.remote(copy == "fused")):
         pytest.skip("the fused copy kernels did not compile")
@@ -302,12 +302,16 @@ def test_the_receive_ring_is_kept_and_refilled_only_after_its_scatters(sides, co
     ring = ray.get(receiver.receive_rings.remote())
     assert ring
     ray.get(receiver.hold_copy_streams.remote(STALL_CYCLES // 4))
-    _hand_off(sender, receiver, f"ring-{copy}-a", [6, 7], [8], 0, 30)
-    _hand_off(sender, receiver, f"ring-{copy}-b", [9, 10], [11], 0, 30)
+    specs = [([6, 7], [8]), ([9, 10], [11])]  # (sender blocks, receiver blocks)
+    tickets = [
+        ray.get(receiver.expect.remote(f"ring-{copy}-{i}", dst, 0, 30))
+        for i, (_, dst) in enumerate(specs)
+    ]
+    ray.get(sender.send_together.remote(tickets, [src for src, _ in specs], NUM_LAYERS))
     assert all(e[2] for e in ray.get(receiver.events.remote(2)))
     assert all(e[2] for e in ray.get(sender.events.remote(2)))
-    _assert_arrived(sender, receiver, [6, 7], [8], 0, 30)
-    _assert_arrived(sender, receiver, [9, 10], [11], 0, 30)
+    for src, dst in specs:
+        _assert_arrived(sender, receiver, src, dst, 0, 30)
     assert ray.get(receiver.receive_rings.remote()) == ring  # the same buffer throughout
     ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
     ray.get(receiver.set_fused_copy.remote(True))
