@@ -80,6 +80,12 @@ def _kernel(k, v):
     return KVGatherKernel(k, v)
 
 
+def _bf16_on_gpu(shape):
+    """A bf16 cache of ``shape`` on the GPU, its fused kernel, and random slots."""
+    k, v = make_cache(shape, torch.bfloat16, "cuda")
+    return k, v, _kernel(k, v), random_slots(shape, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -107,8 +113,7 @@ def test_cuda_gather_and_scatter_match_the_reference(shape, dtype):
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_cuda_scatter_writes_nothing_once_live_is_zero():
     shape = GPU_SHAPES[1]
-    k, v = make_cache(shape, torch.bfloat16, "cuda")
-    kernel, slots = _kernel(k, v), random_slots(shape, "cuda")
+    k, v, kernel, slots = _bf16_on_gpu(shape)
     kv = torch.randn(2, 2, slots.numel(), shape[1], shape[2], device="cuda").to(torch.bfloat16)
     before = [t.clone() for t in k + v]
     live = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -141,8 +146,7 @@ def test_bound_launches_move_layer_ranges_at_byte_offsets_of_one_staging_buffer(
     """A KV hand-off binds slots and staging once and launches per layer: each launch
     lands at its offset, layer by layer equal to one launch over the range."""
     shape = GPU_SHAPES[1]
-    k, v = make_cache(shape, torch.bfloat16, "cuda")
-    kernel, slots = _kernel(k, v), random_slots(shape, "cuda")
+    k, v, kernel, slots = _bf16_on_gpu(shape)
     layer = 2 * slots.numel() * shape[1] * shape[2]  # elements of one layer's K and V
     staging = torch.zeros(8 * layer, dtype=torch.bfloat16, device="cuda")
     launch = kernel.bind(slots, staging)
@@ -166,8 +170,7 @@ def test_bound_launches_move_layer_ranges_at_byte_offsets_of_one_staging_buffer(
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 def test_bound_launch_refuses_layers_or_bytes_outside_its_buffer():
     shape = GPU_SHAPES[1]
-    k, v = make_cache(shape, torch.bfloat16, "cuda")
-    kernel, slots = _kernel(k, v), random_slots(shape, "cuda")
+    k, v, kernel, slots = _bf16_on_gpu(shape)
     staging = torch.zeros(2 * 2 * slots.numel() * shape[1] * shape[2] * 2, dtype=torch.uint8)
     launch = kernel.bind(slots, staging.cuda())
     with pytest.raises(ValueError, match="overrun the staging buffer"):

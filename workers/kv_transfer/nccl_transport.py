@@ -558,9 +558,11 @@ class NcclKVTransport(KVTransport):
     ) -> None:
         """Order the copy stream after the blocks' last use and the live flag's write,
         and bind the scatters to the staging ring; before any scatter is queued."""
-        pair.copy_stream.wait_event(inc.extra["blocks_free"])
+        with pair.on_device():
+            wait(pair.copy_handle, inc.extra["blocks_free"])
+            if recv.live is not None:
+                wait(pair.copy_handle, inc.extra["live_set"])  # it holds 1
         if recv.live is not None:
-            pair.copy_stream.wait_event(inc.extra["live_set"])  # it holds 1
             recv.live.record_stream(pair.copy_stream)
         inc.dst_slots.record_stream(pair.copy_stream)
         if self.fused_copy:
