@@ -90,6 +90,10 @@ class Side:
         self.transport.expect(ticket)
         return ticket.pack()
 
+    def ticket(self, rid: str, block_ids: list[int], start: int, num_tokens: int) -> bytes:
+        """A ticket this side does not expect."""
+        return self.transport.make_ticket(rid, block_ids, start, num_tokens, NUM_LAYERS).pack()
+
     def send(
         self, ticket: bytes, src_blocks, layers=None, first=7, start=True, finish=True, stall=0
     ):
@@ -390,7 +394,7 @@ def test_missing_layers_fail_the_transfer_and_the_pair_stays_in_step(sides, sent
     _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
 
 
-def test_a_transfer_cancelled_before_its_announce_goes_into_scratch(sides):
+def test_a_transfer_cancelled_before_its_announce_is_received_and_dropped(sides):
     sender, receiver = sides
     ticket = ray.get(receiver.expect.remote("early", [1, 2], 0, 50))
     ray.get(receiver.cancel.remote("early"))
@@ -400,6 +404,30 @@ def test_a_transfer_cancelled_before_its_announce_goes_into_scratch(sides):
     assert not ok and "no longer expects" in error
     assert torch.equal(before, ray.get(receiver.snapshot.remote()))  # nothing scattered
     _hand_off(sender, receiver, "early-next", [7, 8], [9], 0, 32)
+    assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
+    assert [e[2] for e in ray.get(sender.events.remote())] == [True]
+    _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
+
+
+def test_a_plan_that_does_not_fit_the_ticket_fails_and_the_pair_stays_in_step(sides):
+    """The sender's ticket says 20 tokens, the receiver expects 30: its announce plans
+    the wrong bytes a layer. The receiver fails the transfer, still receives the bytes
+    (its first receives are queued before the check), and scatters none of them."""
+    sender, receiver = sides
+    _hand_off(sender, receiver, "misfit-before", [7, 8], [9], 0, 32)  # the pair is made
+    ray.get([receiver.events.remote(), sender.events.remote()])
+    ray.get(receiver.expect.remote("misfit", [1], 0, 30))
+    wrong = ray.get(receiver.ticket.remote("misfit", [1], 0, 20))
+    free = ray.get(receiver.free_cuda_events.remote())
+    before = ray.get(receiver.snapshot.remote())
+    ray.get(sender.send.remote(wrong, [3, 4]))
+    ((_, side, ok, error, _),) = ray.get(receiver.events.remote())
+    assert side == "recv" and not ok and "bytes a layer" in error, error
+    ((_, _, ok, error, _),) = ray.get(sender.events.remote())
+    assert not ok and "no longer expects" in error, error
+    assert torch.equal(before, ray.get(receiver.snapshot.remote()))  # nothing scattered
+    assert ray.get(receiver.free_cuda_events.remote()) == free  # its events went back
+    _hand_off(sender, receiver, "misfit-next", [7, 8], [9], 0, 32)
     assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]
     _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
@@ -418,8 +446,8 @@ def test_receiver_cancel_nacks_the_sender_and_the_pair_stays_in_step(sides):
     # The receives queued at the announce took the later layers; their scatters wrote nothing.
     assert torch.equal(before, ray.get(receiver.snapshot.remote()))
     assert ray.get(receiver.events.remote(timeout=0.5)) == []  # a cancel here reports nothing
-    # The layers that went on after the cancel were received into scratch: the next
-    # transfer on the same communicator still lines up.
+    # The layers that went on after the cancel were received into the pair's ring and
+    # dropped: the next transfer on the same communicator still lines up.
     _hand_off(sender, receiver, "rc-next", [7, 8], [9], 0, 32)
     assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]

@@ -45,7 +45,7 @@ the transfers announced before it on the pair (``Pair.sending``), and every
 announced message is sent. A transfer that ends early (cancelled, failed,
 finished with layers missing) sends the rest of its plan from its staging
 buffers as filler, and a receiver that does not expect a transfer receives it
-into scratch. A receiver that drops a transfer clears its ``live`` flag, which
+into the pair's ring and drops it. A receiver that drops a transfer clears its ``live`` flag, which
 the scatter kernel reads when it starts: scatters not yet run write nothing,
 and it waits only for a scatter that may be running.
 
