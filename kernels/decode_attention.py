@@ -9,6 +9,8 @@ tokens gets zeros. Computed in float32, returned in ``q``'s dtype.
 
 ``new_kv = (k, v, slot_mapping)`` first stores each request's new K/V row (its
 last token) at its slot, as ``kv_store.store_kv`` does (slot -1: not stored).
+``norm_rope = (positions, q_weight, k_weight, eps, cos_cache, sin_cache)`` (with
+``new_kv``) first norms and rotates q and the new K rows as ``qk_norm_rope`` does.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.kernels.kv_store import store_kv
+from splitserve.kernels.qk_norm_rope import qk_norm_rope
 
 
 def decode_attention(
@@ -26,10 +29,15 @@ def decode_attention(
     seq_lens: torch.Tensor,  # [batch] int
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    norm_rope: tuple | None = None,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv)
+    check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv, norm_rope)
+    if norm_rope is not None:
+        positions, q_weight, k_weight, eps, cos, sin = norm_rope
+        q, k = qk_norm_rope(positions, q, new_kv[0], q_weight, k_weight, eps, cos, sin)
+        new_kv = (k, *new_kv[1:])
     if new_kv is not None:
         store_kv(*new_kv[:2], k_cache, v_cache, new_kv[2])
     max_len = max(int(seq_lens.max()), 1) if batch else 1
@@ -47,7 +55,7 @@ def decode_attention(
     return torch.einsum("bhl,blhd->bhd", probs, values).to(q.dtype)
 
 
-def check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv=None) -> None:
+def check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv=None, norm_rope=None) -> None:
     """Raise ValueError, naming what is wrong, unless the arguments fit together."""
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
@@ -76,3 +84,24 @@ def check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv=None) -> No
                 f"new K/V rows are [batch, kv_heads, dim] = {want} with one slot each; got "
                 f"{tuple(k.shape)}, {tuple(v.shape)}, slots {tuple(slots.shape)}"
             )
+    if norm_rope is not None:
+        _check_norm_rope(norm_rope, batch, head_dim, new_kv is not None)
+
+
+def _check_norm_rope(norm_rope, batch: int, head_dim: int, has_new_kv: bool) -> None:
+    positions, q_weight, k_weight, _, cos, sin = norm_rope
+    if not has_new_kv:
+        raise ValueError("norm_rope norms the new K rows: it needs new_kv")
+    if positions.shape != (batch,):
+        raise ValueError(f"norm_rope needs one position a request; got {tuple(positions.shape)}")
+    if q_weight.shape != (head_dim,) or k_weight.shape != (head_dim,):
+        raise ValueError(
+            f"q/k norm weights {tuple(q_weight.shape)}, {tuple(k_weight.shape)} do not match "
+            f"head_dim {head_dim}"
+        )
+    rotary_dim = cos.shape[-1]
+    if sin.shape != cos.shape or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(
+            f"rotary caches cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: the same shape, "
+            f"an even rotary_dim <= head_dim {head_dim}"
+        )

@@ -278,3 +278,62 @@ def test_flashinfer_attention_matches_torch(phase, split_kv):
     ref_fb = build_forward_batch(steps, cache, ref_backend, "cuda")
     ref = ref_backend.forward(q.float(), k.float(), v.float(), layer, ref_fb).float()
     assert _rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("batch", [4, 20])
+def test_split_kv_decode_norms_and_rotates_q_and_k_up_to_16_requests(batch, monkeypatch):
+    """The attention layer with Qwen3's q/k norm: up to 16 requests the split-KV kernel norms
+    and rotates q and K itself (no q/k kernel is called), above it the layer does first;
+    both match the torch backend, which always gets q and K normed and rotated."""
+    flashinfer_backend = pytest.importorskip("splitserve.workers.attention.flashinfer_backend")
+    from splitserve.workers.attention import base
+    from splitserve.workers.attention.base import QKNormRope
+    from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+    from splitserve.workers.layers.attention import Attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
+    context = [37 * (i + 1) for i in range(batch)]
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, torch.bfloat16)
+    cache = KVCache(spec, 400, "cuda")
+    cache.k[0][1:] = torch.randn_like(cache.k[0][1:])
+    cache.v[0][1:] = torch.randn_like(cache.v[0][1:])
+    perm, tables = (torch.randperm(399) + 1).tolist(), []
+    for c in context:
+        tables.append([perm.pop() for _ in range(-(-(c + 1) // block_size))])
+    steps = [StepRequest([1], c, t, sample=True) for c, t in zip(context, tables)]
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    angles = torch.arange(4096, device="cuda")[:, None] * 1e4 ** -(
+        torch.arange(0, head_dim, 2, device="cuda") / head_dim
+    )
+    angles = torch.cat((angles, angles), -1)
+    weights = [1 + 0.3 * torch.randn(head_dim, device="cuda", dtype=torch.bfloat16) for _ in "qk"]
+    positions = torch.tensor(context, device="cuda")
+    layer = Attention(0, heads, kv_heads, head_dim)
+    calls = []
+    monkeypatch.setattr(base, "qk_norm_rope", lambda *a: calls.append(1) or _norm_rope(*a))
+
+    fi = flashinfer_backend.FlashInferAttentionBackend(
+        heads, kv_heads, head_dim, torch.bfloat16, torch.device("cuda")
+    )
+    fb = build_forward_batch(steps, cache, fi, "cuda")
+    norm_rope = QKNormRope(positions, *weights, 1e-6, angles.cos(), angles.sin())
+    assert fi.fuses_norm_rope(fb) == (batch <= 16)
+    out = layer(q, k, v, fb, norm_rope).float()
+    assert len(calls) == (0 if batch <= 16 else 1)
+    new_k = cache.k[0].view(-1, kv_heads, head_dim)[fb.slot_mapping].float()
+
+    cache.k[0].view(-1, kv_heads, head_dim)[fb.slot_mapping] = 0  # the reference stores again
+    ref_backend = TorchAttentionBackend()
+    ref_fb = build_forward_batch(steps, cache, ref_backend, "cuda")
+    ref = layer(q, k, v, ref_fb, norm_rope).float()
+    want_k = cache.k[0].view(-1, kv_heads, head_dim)[fb.slot_mapping].float()
+    assert _rel_err(out, ref) < 1e-2
+    assert _rel_err(new_k, want_k) < 1e-2
+
+
+def _norm_rope(*args):
+    from splitserve.kernels.ops import qk_norm_rope
+
+    return qk_norm_rope(*args)

@@ -67,7 +67,7 @@ import triton.language as tl
 
 from splitserve.kernels.triton.activation import silu_and_mul
 from splitserve.kernels.triton.device import sm_count
-from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
+from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
 from splitserve.kernels.triton.rmsnorm import rms_norm
 
 MAX_M = 16  # ``linear`` uses the kernel up to this many rows, cuBLAS above (measured)
@@ -177,6 +177,7 @@ def _linear_kernel(
                 squares += x * x
                 x *= _load(norm_w_ptr + offs_k + k, k_ok, EVEN_K).to(tl.float32)
             acc += w.to(tl.float32) * x[None, :]
+    loop_done(PDL)
     if USE_DOT:
         sums = acc
     else:
@@ -349,7 +350,7 @@ def small_m_linear(
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(x.device, starts_early=True, lets_next_start=False),
+        **launch_options(x.device, starts_early=True, lets_next_start=False, after_loop=True),
     )  # fmt: skip
     if partial:
         _split_k_sum_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](

@@ -1,6 +1,6 @@
 """Programmatic dependent launch (PDL) between the Triton kernels of a step.
 
-A decode step of a few requests is a chain of short kernels (ten a layer at
+A decode step of a few requests is a chain of short kernels (six a layer at
 batch 1), and each one pays a launch and a ramp-up before its first byte moves.
 On Hopper and later a kernel launched with PDL may be scheduled before the
 kernel ahead of it on the stream has finished: its programs become resident,
@@ -10,7 +10,7 @@ previous kernel decides when: at its programs' exit, or as soon as it starts
 if it calls ``gdc_launch_dependents``. CUDA graph capture keeps these edges.
 
 Every kernel here opens with ``wait_previous_kernel(PDL)``, in every program,
-before it reads or writes anything. ``PDL`` holds two flags
+before it reads or writes anything. ``PDL`` holds three flags
 (``launch_options``):
 
 - ``WAIT``, for a kernel launched with PDL (``starts_early``): wait for the
@@ -21,16 +21,25 @@ before it reads or writes anything. ``PDL`` holds two flags
   completion as usual.
 - ``LAUNCH_NEXT``, for a short kernel (``lets_next_start``): then let the next
   kernel launch. Since it comes after the wait, at most one kernel waits ahead.
+- ``AFTER_LOOP``, for a long kernel (``after_loop``): ``loop_done(PDL)``, after
+  its main loop, lets the next kernel launch. Its last programs are resident by
+  then, so the next kernel's take no slot from them; the launch overlaps their
+  reductions, stores and exit. The linears and split-KV attention (up to 16
+  requests) do so: a batch-1 decode step took 4.332 ms against 4.359 and 4.376
+  ms with the launch at their exit (``engine_loop.py``, H200, one call).
 
 Programs waiting beside a kernel that streams memory slow it down (H200,
 ``benchmarks/decode_linears.py`` and ``engine_loop.py``): 36 layers of one-row
 linears took 3.77 ms with each letting the next start at once, against 3.49 ms
 without PDL. So only kernels that follow a short kernel start early: the
 linears (after a norm, SiLU or attention), and split-KV attention (after the
-q/k norm) and its merge up to 16 requests (at 64 they cost a step 0.19 ms).
-Only short kernels let the next one start: norms, SiLU, q/k norm and rotary,
-the merge, the split-K sum. The linears and split-KV attention let the next
-kernel launch as their programs exit.
+qkv linear or the q/k norm) and its merge up to 16 requests (at 64 they cost a
+step 0.19 ms).
+Only short kernels let the next one start at once: norms, SiLU, q/k norm and
+rotary, the merge, the split-K sum; the linears and split-KV attention do after
+their main loop. An L2 prefetch of a linear's first weight tiles before its wait,
+or of the next linear's first tiles after its own loop, did not help (H200, a
+batch-1 step and 36-layer chains: 3.55-4.06 against 3.54 ms for the chain).
 
 PDL is on for CUDA devices of compute capability 9.0 and up; off on older GPUs,
 on the CPU interpreter, and with ``SPLITSERVE_PDL=0`` (or ``set_enabled(False)``,
@@ -67,17 +76,21 @@ def enabled(device: torch.device) -> bool:
     return _enabled and device.type == "cuda" and capability(device) >= (9, 0)
 
 
-def launch_options(device: torch.device, *, starts_early: bool, lets_next_start: bool) -> dict:
+def launch_options(
+    device: torch.device, *, starts_early: bool, lets_next_start: bool, after_loop: bool = False
+) -> dict:
     """``kernel[grid](..., **launch_options(x.device, ...))``: the ``PDL`` constexpr and,
     for ``starts_early``, Triton's ``launch_pdl`` (module docstring).
 
     ``starts_early``: launch with PDL; for a kernel that follows a short one.
     ``lets_next_start``: let the next kernel launch as soon as this one starts; for a
     short kernel.
+    ``after_loop``: let it launch at this kernel's ``loop_done``; for a long kernel.
     """
     if not enabled(device):
         return _OFF
     flags = (WAIT if starts_early else 0) | (LAUNCH_NEXT if lets_next_start else 0)
+    flags |= AFTER_LOOP if after_loop else 0
     return {"PDL": flags, "launch_pdl": True} if starts_early else {"PDL": flags}
 
 
@@ -85,6 +98,7 @@ def launch_options(device: torch.device, *, starts_early: bool, lets_next_start:
 # interpreter cannot combine a launch's int with a constexpr global).
 WAIT = 1  # launched with PDL: wait for the previous kernel first
 LAUNCH_NEXT = 2  # let the next kernel launch now
+AFTER_LOOP = 4  # let the next kernel launch once this one's main loop is done
 _OFF = {"PDL": 0}
 
 
@@ -94,4 +108,12 @@ def wait_previous_kernel(PDL: tl.constexpr):
     if PDL & 1:  # WAIT
         gdc_wait()
     if PDL & 2:  # LAUNCH_NEXT
+        gdc_launch_dependents()
+
+
+@triton.jit
+def loop_done(PDL: tl.constexpr):
+    """Called by a long kernel after its main loop: with ``AFTER_LOOP``, let the next
+    kernel launch now (its programs take no slot from this one's, all resident by now)."""
+    if PDL & 4:  # AFTER_LOOP
         gdc_launch_dependents()

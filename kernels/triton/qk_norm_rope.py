@@ -27,6 +27,39 @@ MAX_TILE = 1024  # elements of one program's [heads, head_dim] tile
 
 
 @triton.jit
+def norm_rope_rows(
+    rows,  # [BLOCK_H, 1] pointers to head rows (unit stride along head_dim)
+    mask,  # [BLOCK_H, BLOCK_D]: rows and dims to compute
+    dims,  # [1, BLOCK_D]: tl.arange(0, BLOCK_D)
+    w_ptr,
+    cos_row,
+    sin_row,
+    head_dim,
+    half,  # rotary_dim // 2
+    eps,
+    out_ty: tl.constexpr,
+):
+    """The rows, each RMS-normed over ``head_dim`` and rotated at one position, in
+    ``out_ty`` (module docstring); masked entries are 0. Split-KV decode attention calls
+    it too, to norm and rotate q and the new K row as it loads them."""
+    dim_ok = dims < head_dim
+    in_rot = dims < 2 * half
+    partner = tl.where(dims < half, dims + half, tl.where(in_rot, dims - half, dims))
+    x = tl.load(rows + dims, mask=mask, other=0.0)
+    xp = tl.load(rows + partner, mask=mask, other=0.0).to(tl.float32)
+    h = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / head_dim + eps)
+    w = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)
+    n = (w * (h * rstd[:, None]).to(x.dtype).to(tl.float32)).to(out_ty).to(tl.float32)
+    n_part = (wp * (xp * rstd[:, None]).to(x.dtype).to(tl.float32)).to(out_ty).to(tl.float32)
+    c = tl.load(cos_row + dims, mask=in_rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_row + dims, mask=in_rot, other=0.0).to(tl.float32)
+    y = tl.where(in_rot, n * c + n_part * tl.where(dims < half, -s, s), n)
+    return y.to(out_ty)
+
+
+@triton.jit
 def _norm_rope_heads(
     src,  # this token's first head
     stride_h,
@@ -44,24 +77,12 @@ def _norm_rope_heads(
 ):
     heads = first_head + tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    dim_ok = dims < head_dim
-    mask = (heads < num_heads) & dim_ok
-    in_rot = dims < 2 * half
-    partner = tl.where(dims < half, dims + half, tl.where(in_rot, dims - half, dims))
-    rows = src + heads * stride_h
-    x = tl.load(rows + dims, mask=mask, other=0.0)
-    xp = tl.load(rows + partner, mask=mask, other=0.0).to(tl.float32)
-    h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / head_dim + eps)
-    w = tl.load(w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)
-    out_ty = dst.dtype.element_ty
-    n = (w * (h * rstd[:, None]).to(x.dtype).to(tl.float32)).to(out_ty).to(tl.float32)
-    n_part = (wp * (xp * rstd[:, None]).to(x.dtype).to(tl.float32)).to(out_ty).to(tl.float32)
-    c = tl.load(cos_row + dims, mask=in_rot, other=1.0).to(tl.float32)
-    s = tl.load(sin_row + dims, mask=in_rot, other=0.0).to(tl.float32)
-    y = tl.where(in_rot, n * c + n_part * tl.where(dims < half, -s, s), n)
-    tl.store(dst + heads * head_dim + dims, y.to(out_ty), mask=mask)
+    mask = (heads < num_heads) & (dims < head_dim)
+    y = norm_rope_rows(
+        src + heads * stride_h, mask, dims, w_ptr, cos_row, sin_row, head_dim, half, eps,
+        dst.dtype.element_ty,
+    )  # fmt: skip
+    tl.store(dst + heads * head_dim + dims, y, mask=mask)
 
 
 @triton.jit

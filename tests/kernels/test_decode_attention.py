@@ -3,6 +3,7 @@ import torch
 
 from splitserve.kernels.decode_attention import decode_attention as reference
 from splitserve.kernels.triton.decode_attention import decode_attention, num_splits
+from splitserve.kernels.triton.qk_norm_rope import qk_norm_rope
 from tests.kernels.utils import DEVICE, DTYPES, ON_GPU, assert_close, randn
 
 # (seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits)
@@ -79,6 +80,62 @@ def test_stores_the_new_rows_and_attends_them(case, dtype):
     want = reference(q.float(), ref_k, ref_v, tables, lens, scale, new_kv=new)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert_close(out.float(), want.float(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary", ["full", "partial"])
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_norm_rope_on_load_matches_the_separate_kernel(case, rotary, dtype):
+    """q and the new K row as strided views of a fused qkv row, normed and rotated inside
+    the split kernel: the output and the stored rows match ``qk_norm_rope`` followed by
+    the kernel (the same rounding steps; a norm's sum may add up in another order), and
+    the reference."""
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits = case
+    _, k_cache, v_cache, tables, lens = paged_inputs(*case[:-1], dtype)
+    _, v, slots = new_rows(tables, lens, num_kv_heads, head_dim, block_size, dtype)
+    qkv = randn(len(seq_lens), (num_heads + num_kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : num_heads * head_dim].view(-1, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim :].view(-1, num_kv_heads, head_dim)
+    rotary_dim = head_dim if rotary == "full" else head_dim // 4 * 2
+    inv_freq = 1e4 ** -(torch.arange(0, rotary_dim, 2, device=DEVICE) / rotary_dim)
+    angles = torch.arange(4096, device=DEVICE)[:, None] * inv_freq
+    cos, sin = (f(torch.cat((angles, angles), -1)) for f in (torch.cos, torch.sin))
+    weights = [1 + 0.5 * randn(head_dim, dtype=dtype) for _ in "qk"]
+    norm_rope = (lens.long() - 1, *weights, 1e-6, cos, sin)
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+    scale = head_dim**-0.5
+    fused = decode_attention(
+        q, *caches[0], tables, lens, scale, splits, new_kv=(k, v, slots), norm_rope=norm_rope
+    )
+    q2, k2 = qk_norm_rope(norm_rope[0], q, k, *norm_rope[1:])
+    apart = decode_attention(q2, *caches[1], tables, lens, scale, splits, new_kv=(k2, v, slots))
+    assert_close(fused, apart, dtype)
+    assert_close(caches[0][0], caches[1][0], dtype)
+    assert torch.equal(caches[0][1], caches[1][1])  # V is stored as given
+    f32 = [x.float() for x in (q, *caches[2])]
+    want = reference(*f32, tables, lens, scale, new_kv=(k, v, slots), norm_rope=norm_rope)
+    assert_close(fused.float(), want, dtype)
+
+
+def test_norm_rope_needs_the_new_rows_and_matching_weights():
+    q, k_cache, v_cache, tables, lens = paged_inputs([9], 4, 2, 16, 4, torch.float32)
+    k, v, slots = new_rows(tables, lens, 2, 16, 4, torch.float32)
+    cos = sin = torch.ones(64, 16, device=DEVICE)
+    ok = torch.ones(16, device=DEVICE)
+    with pytest.raises(ValueError, match="needs new_kv"):
+        decode_attention(
+            q, k_cache, v_cache, tables, lens, 0.25, norm_rope=(lens, ok, ok, 1e-6, cos, sin)
+        )
+    with pytest.raises(ValueError, match="head_dim 16"):
+        decode_attention(
+            q, k_cache, v_cache, tables, lens, 0.25, new_kv=(k, v, slots),
+            norm_rope=(lens, ok[:8], ok, 1e-6, cos, sin),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="in q's dtype"):
+        decode_attention(
+            q, k_cache, v_cache, tables, lens, 0.25, new_kv=(k, v, slots),
+            norm_rope=(lens, ok.half(), ok, 1e-6, cos, sin),
+        )  # fmt: skip
 
 
 def test_new_rows_may_be_strided_views():

@@ -2,7 +2,8 @@
 
 On the GPU a decode layer's chain of kernels, as the model runs it at one row
 (one-row linears with the add-norm or SiLU-and-mul fused in, q/k norm with
-rotary, split-KV attention and its merge), runs with PDL on and off, eagerly and
+rotary on its own or inside split-KV attention, and the attention's merge), runs
+with PDL on and off, eagerly and
 replayed from a CUDA graph: every result must be bitwise the same, since each
 kernel waits for the one before it before it reads anything. A kernel that read
 its input before the previous kernel finished writing it would change the
@@ -27,12 +28,14 @@ def pdl_switch():
     pdl.set_enabled(True)
 
 
-FLAGS = [(False, False), (False, True), (True, False), (True, True)]
+FLAGS = [(a, b, c) for a in (False, True) for b in (False, True) for c in (False, True)]
 
 
-@pytest.mark.parametrize("starts_early,lets_next_start", FLAGS)
-def test_off_on_the_cpu_and_when_disabled(pdl_switch, starts_early, lets_next_start):
-    flags = {"starts_early": starts_early, "lets_next_start": lets_next_start}
+@pytest.mark.parametrize("starts_early,lets_next_start,after_loop", FLAGS)
+def test_off_on_the_cpu_and_when_disabled(pdl_switch, starts_early, lets_next_start, after_loop):
+    flags = {
+        "starts_early": starts_early, "lets_next_start": lets_next_start, "after_loop": after_loop
+    }  # fmt: skip
     assert pdl.launch_options(torch.device("cpu"), **flags) == {"PDL": 0}
     pdl_switch(False)
     assert not pdl.enabled(torch.device("cuda", 0))
@@ -41,15 +44,19 @@ def test_off_on_the_cpu_and_when_disabled(pdl_switch, starts_early, lets_next_st
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("starts_early,lets_next_start", FLAGS)
-def test_flags_on_the_gpu(starts_early, lets_next_start):
+@pytest.mark.parametrize("starts_early,lets_next_start,after_loop", FLAGS)
+def test_flags_on_the_gpu(starts_early, lets_next_start, after_loop):
     options = pdl.launch_options(
-        torch.device("cuda"), starts_early=starts_early, lets_next_start=lets_next_start
+        torch.device("cuda"),
+        starts_early=starts_early,
+        lets_next_start=lets_next_start,
+        after_loop=after_loop,
     )
     if torch.cuda.get_device_capability() < (9, 0):
         assert options == {"PDL": 0}
         return
-    assert options["PDL"] == starts_early * pdl.WAIT + lets_next_start * pdl.LAUNCH_NEXT
+    want = starts_early * pdl.WAIT + lets_next_start * pdl.LAUNCH_NEXT + after_loop * pdl.AFTER_LOOP
+    assert options["PDL"] == want
     assert options.get("launch_pdl", False) == starts_early
 
 
@@ -71,8 +78,11 @@ def _weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
-def _decode_layers(x, residual, weights, caches, cos, sin, positions, tables, lens, slots):
-    """``LAYERS`` decoder layers of one decode step, through the ops the model calls."""
+def _decode_layers(
+    x, residual, weights, caches, cos, sin, positions, tables, lens, slots, fused_norm_rope
+):
+    """``LAYERS`` decoder layers of one decode step, through the ops the model calls (with
+    ``fused_norm_rope``, q/k norm and rotary inside split-KV attention, as up to 16 requests)."""
     from splitserve.kernels import ops
     from splitserve.kernels.triton.decode_attention import decode_attention
 
@@ -81,12 +91,13 @@ def _decode_layers(x, residual, weights, caches, cos, sin, positions, tables, le
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
         q = q.view(-1, HEADS, HEAD_DIM)
         k, v = k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)
-        q, k = ops.qk_norm_rope(
-            positions, q, k, weights["q_norm"], weights["k_norm"], 1e-6, cos, sin
-        )
+        norm_rope = (positions, weights["q_norm"], weights["k_norm"], 1e-6, cos, sin)
+        if not fused_norm_rope:
+            q, k = ops.qk_norm_rope(positions, q, k, *norm_rope[1:])
         attn = decode_attention(
-            q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, new_kv=(k, v, slots)
-        )
+            q, k_cache, v_cache, tables, lens, HEAD_DIM**-0.5, new_kv=(k, v, slots),
+            norm_rope=norm_rope if fused_norm_rope else None,
+        )  # fmt: skip
         x = ops.linear(attn.view(-1, HEADS * HEAD_DIM), weights["o"])
         gate_up, residual = ops.rms_norm_linear(
             x, residual, weights["ln2"], 1e-6, weights["gate_up"]
@@ -100,7 +111,8 @@ def _decode_layers(x, residual, weights, caches, cos, sin, positions, tables, le
 @pytest.mark.skipif(
     ON_GPU and torch.cuda.get_device_capability() < (9, 0), reason="PDL needs sm90+"
 )
-def test_decode_chain_same_with_and_without_pdl(pdl_switch):
+@pytest.mark.parametrize("fused_norm_rope", [False, True])
+def test_decode_chain_same_with_and_without_pdl(pdl_switch, fused_norm_rope):
     gen = torch.Generator().manual_seed(0)
     weights = _weights(gen)
     blocks = CONTEXT // BLOCK_SIZE + 2
@@ -122,7 +134,7 @@ def test_decode_chain_same_with_and_without_pdl(pdl_switch):
     def run(enabled: bool, graph: bool):
         pdl_switch(enabled)
         caches = [(k.clone(), v.clone()) for k, v in fresh]
-        args = (weights, caches, cos, sin, positions, tables, lens, slots)
+        args = (weights, caches, cos, sin, positions, tables, lens, slots, fused_norm_rope)
         x, r = x0.clone(), r0.clone()
         if not graph:
             out = _decode_layers(x, r, *args)

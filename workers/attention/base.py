@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.kernels.ops import qk_norm_rope
 from splitserve.workers.forward_batch import ForwardBatch
 
 
@@ -27,6 +28,26 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     scale: float
+
+
+@dataclass(frozen=True)
+class QKNormRope:
+    """Per-head q/k RMSNorm then rotary (Qwen3): what the layer does to q and k before
+    attention. ``Attention`` applies it unless the backend does it inside its kernel."""
+
+    positions: torch.Tensor  # [num_tokens]
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor
+    eps: float
+    cos: torch.Tensor  # [max_position, rotary_dim] float32
+    sin: torch.Tensor
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return qk_norm_rope(self.positions, q, k, *self.kernel_args()[1:])
+
+    def kernel_args(self) -> tuple:
+        """``(positions, q_weight, k_weight, eps, cos, sin)``, as the kernels take them."""
+        return self.positions, self.q_weight, self.k_weight, self.eps, self.cos, self.sin
 
 
 class AttentionBackend(ABC):
@@ -45,8 +66,15 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         layer: AttentionSpec,
         forward_batch: ForwardBatch,
+        norm_rope: QKNormRope | None = None,  # only where ``fuses_norm_rope``
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Store k/v for the new tokens and attend q over the paged KV."""
+        """Store k/v for the new tokens and attend q over the paged KV (with ``norm_rope``:
+        q and k normed and rotated first)."""
+
+    def fuses_norm_rope(self, forward_batch: ForwardBatch) -> bool:
+        """Whether ``forward`` takes a ``QKNormRope`` for this step and applies it in its
+        own kernel (else the caller applies it to q and k first)."""
+        return False
 
     # CUDA-graph hooks: called by the graph runners, never by models.
     def supports_decode_graphs(self, max_num_tokens: int, max_blocks_per_seq: int) -> bool:

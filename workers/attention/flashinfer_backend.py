@@ -16,7 +16,8 @@ Decode uses FlashInfer's tensor-core kernels when a KV head serves at least
 decode kernel is bound by its arithmetic there, not by the KV bytes. Decode
 steps of at most ``split_kv_max_batch`` requests run the Triton split-KV
 kernel instead (``kernels/triton/decode_attention.py``): one launch for the
-splits, which also stores the new K/V rows, and one for their merge; no plan,
+splits, which also stores the new K/V rows (and, up to 16 requests, norms and
+rotates q and K itself: ``fuses_norm_rope``), and one for their merge; no plan,
 and an index (block table, lengths) that is the step's own tensors, or in a
 graph the runner's static buffers.
 
@@ -38,8 +39,8 @@ import numpy as np
 import torch
 
 from splitserve.kernels.ops import store_kv
-from splitserve.kernels.triton.decode_attention import decode_attention
-from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
+from splitserve.kernels.triton.decode_attention import NORM_ROPE_MAX_BATCH, decode_attention
+from splitserve.workers.attention.base import AttentionBackend, AttentionSpec, QKNormRope
 from splitserve.workers.forward_batch import ForwardBatch, Phase
 from splitserve.workers.input_batch import padded_block_tables
 from splitserve.workers.kv_cache import KVCache
@@ -216,6 +217,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
+    def fuses_norm_rope(self, forward_batch: ForwardBatch) -> bool:
+        """Split-KV decode steps of up to ``NORM_ROPE_MAX_BATCH`` requests norm and rotate q
+        and the new K rows as they load them (``decode_attention.py``)."""
+        meta = forward_batch.attn_metadata
+        return isinstance(meta, SplitKVDecodeMetadata) and (
+            meta.seq_lens.shape[0] <= NORM_ROPE_MAX_BATCH
+        )
+
     def _split_kv(self, fb: ForwardBatch, batch: int) -> bool:
         """Whether this decode step runs the Triton split-KV kernel (a cache in the model's
         dtype: the kernel multiplies q by K as stored)."""
@@ -255,14 +264,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionSpec,
         forward_batch: ForwardBatch,
+        norm_rope: QKNormRope | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
         meta = forward_batch.attn_metadata
         if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
             new_kv = (k, v, forward_batch.slot_mapping)
             return decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, new_kv=new_kv
-            )
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale,
+                new_kv=new_kv, norm_rope=None if norm_rope is None else norm_rope.kernel_args(),
+            )  # fmt: skip
         store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
         if meta.ragged:
             return meta.wrapper.run(q, k, v)

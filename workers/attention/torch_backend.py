@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.kernels.ops import store_kv
-from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
+from splitserve.workers.attention.base import AttentionBackend, AttentionSpec, QKNormRope
 from splitserve.workers.forward_batch import ForwardBatch, Phase
 from splitserve.workers.input_batch import padded_block_tables, to_device
 
@@ -96,6 +96,7 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionSpec,
         forward_batch: ForwardBatch,
+        norm_rope: QKNormRope | None = None,  # never given: fuses_norm_rope is False
     ) -> torch.Tensor:
         k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
         store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitserve.workers.attention.base import AttentionBackend, AttentionSpec
+from splitserve.workers.attention.base import AttentionBackend, AttentionSpec, QKNormRope
 from splitserve.workers.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner, bucket
 from splitserve.workers.forward_batch import ForwardBatch, Phase
 from splitserve.workers.kv_cache import KVCache
@@ -166,6 +166,7 @@ class _CutAtAttention(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionSpec,
         forward_batch: ForwardBatch,
+        norm_rope: QKNormRope | None = None,  # never given: fuses_norm_rope is False
     ) -> torch.Tensor:
         if not self.capturing:
             return self.runner.attention_output(q)

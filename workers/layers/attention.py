@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from splitserve.workers.attention.base import AttentionSpec
+from splitserve.workers.attention.base import AttentionSpec, QKNormRope
 from splitserve.workers.forward_batch import ForwardBatch
 
 
@@ -21,13 +21,23 @@ class Attention(nn.Module):
         self.spec = AttentionSpec(layer_id, num_heads, num_kv_heads, head_dim, head_dim**-0.5)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        forward_batch: ForwardBatch,
+        norm_rope: QKNormRope | None = None,
     ) -> torch.Tensor:
-        s = self.spec
+        """Attention of q over the paged KV with k and v stored; with ``norm_rope``, q and k
+        are normed and rotated first (by the backend's kernel where it can)."""
+        s, backend = self.spec, forward_batch.attn_backend
         q = q.reshape(-1, s.num_heads, s.head_dim)
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
-        out = forward_batch.attn_backend.forward(q, k, v, s, forward_batch)
+        if norm_rope is not None and not backend.fuses_norm_rope(forward_batch):
+            q, k = norm_rope(q, k)
+            norm_rope = None
+        out = backend.forward(q, k, v, s, forward_batch, norm_rope)
         if forward_batch.on_layer_stored is not None:
             forward_batch.on_layer_stored(s.layer_id)
         return out.reshape(-1, s.num_heads * s.head_dim)

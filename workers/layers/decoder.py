@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from splitserve.kernels.ops import qk_norm_rope
+from splitserve.workers.attention.base import QKNormRope
 from splitserve.workers.forward_batch import ForwardBatch
 from splitserve.workers.layers.attention import Attention
 from splitserve.workers.layers.layernorm import RMSNorm
@@ -23,7 +23,8 @@ class RopeAttention(nn.Module):
     """qkv -> per-head q/k norm (optional) -> rotary -> paged attention -> o_proj.
 
     With q/k norm, one fused op norms and rotates the strided q/k views of the
-    qkv output; ``q_norm`` / ``k_norm`` only hold the weights the checkpoint fills.
+    qkv output (inside the attention kernel where the backend can:
+    ``QKNormRope``); ``q_norm`` / ``k_norm`` only hold the weights the checkpoint fills.
     """
 
     def __init__(
@@ -65,10 +66,10 @@ class RopeAttention(nn.Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             q, k = self.rotary_emb(positions, q, k)
-        else:
-            qw, kw, rope = self.q_norm.weight, self.k_norm.weight, self.rotary_emb
-            q, k = qk_norm_rope(positions, q, k, qw, kw, self.q_norm.eps, rope.cos, rope.sin)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+            return self.o_proj(self.attn(q, k, v, forward_batch))
+        qw, kw, rope = self.q_norm.weight, self.k_norm.weight, self.rotary_emb
+        norm_rope = QKNormRope(positions, qw, kw, self.q_norm.eps, rope.cos, rope.sin)
+        return self.o_proj(self.attn(q, k, v, forward_batch, norm_rope))
 
 
 class DecoderLayer(nn.Module):
