@@ -295,10 +295,10 @@ def test_split_kv_decode_norms_and_rotates_q_and_k_up_to_16_requests(batch, monk
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     context = [37 * (i + 1) for i in range(batch)]
     spec = KVCacheSpec(1, kv_heads, head_dim, block_size, torch.bfloat16)
-    cache = KVCache(spec, 400, "cuda")
+    cache = KVCache(spec, 800, "cuda")
     cache.k[0][1:] = torch.randn_like(cache.k[0][1:])
     cache.v[0][1:] = torch.randn_like(cache.v[0][1:])
-    perm, tables = (torch.randperm(399) + 1).tolist(), []
+    perm, tables = (torch.randperm(799) + 1).tolist(), []
     for c in context:
         tables.append([perm.pop() for _ in range(-(-(c + 1) // block_size))])
     steps = [StepRequest([1], c, t, sample=True) for c, t in zip(context, tables)]
