@@ -6,13 +6,15 @@ each request's tokens are cut into ``num_splits`` equal runs (whole tiles of
 (request, KV head, split) attends every query head of that KV head's group to
 its run, page by page through the block table, with an online softmax, and
 writes the normalized partial output and its log-sum-exp. A second launch
-merges a query head's partials. With ``new_kv`` the split kernel also stores
-each request's new K/V row (the last split's program writes it at its slot),
-and the program whose run holds the last token attends that row from its
-inputs after its tiles of cached tokens, so no program reads the slot being
-written: the KV store costs no launch of its own. The grid depends on the batch size only, so a
-decode CUDA graph can be captured once per batch size and replayed for any
-lengths. A split with no tokens writes a log-sum-exp of -inf and no weight; a
+merges a query head's partials; with one split a request (33 requests and more
+on an H200) the split kernel writes the output itself and there is no merge.
+With ``new_kv`` the split kernel also stores each request's new K/V row (the
+last split's program writes it at its slot), and the program whose run holds
+the last token attends that row from its inputs after its tiles of cached
+tokens, so no program reads the slot being written: the KV store costs no
+launch of its own. The grid depends on the batch size only, so a decode CUDA
+graph can be captured once per batch size and replayed for any lengths. A
+split with no tokens writes a log-sum-exp of -inf and no weight; a
 request with no tokens gets zeros.
 
 With ``norm_rope`` (Qwen3's per-head q/k RMSNorm and rotary) q and the new K
@@ -62,6 +64,9 @@ def _split_kernel(
     seq_len_ptr,
     part_out_ptr,  # [batch, num_heads, NUM_SPLITS, HEAD_DIM] float32
     part_lse_ptr,  # [batch, num_heads, NUM_SPLITS] float32
+    out_ptr,  # [batch, num_heads, HEAD_DIM]: written here with one split, else by the merge
+    stride_ob,
+    stride_oh,
     k_new_ptr,  # [batch, num_kv_heads, HEAD_DIM]: the last token's K/V (with NEW_KV)
     v_new_ptr,
     slot_ptr,  # [batch] int, -1: not stored
@@ -184,13 +189,14 @@ def _split_kernel(
     some = denom > 0
     out = acc / tl.where(some, denom, 1.0)[:, None]
     lse = tl.where(some, m + tl.log(tl.where(some, denom, 1.0)), float("-inf"))
-    part = (b * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
-    tl.store(part_lse_ptr + part, lse, mask=row_ok)
-    tl.store(
-        part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
-        out,
-        mask=row_ok[:, None] & dim_ok[None, :],
-    )
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:  # the whole context: the output itself (what the merge would write)
+        dst = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part = (b * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
 
 
 @triton.jit
@@ -267,8 +273,11 @@ def decode_attention(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
-    part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_out = part_lse = out  # one split: the split kernel writes the output itself
+    if splits > 1:
+        f32 = {"dtype": torch.float32, "device": q.device}
+        part_out = torch.empty(batch, num_heads, splits, head_dim, **f32)
+        part_lse = torch.empty(batch, num_heads, splits, **f32)
     block_d = triton.next_power_of_2(head_dim)
     stride_block, stride_offset, stride_head, _ = k_cache.stride()
     k_new, v_new, slots = new_kv if new_kv is not None else (k_cache, v_cache, seq_lens)
@@ -276,7 +285,8 @@ def decode_attention(
     k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (k_new, v_new))
     positions, q_norm, k_norm, eps, cos, sin = norm_rope or (seq_lens, q, q, 0.0, q, q)
     _split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, k_new, v_new, slots,
+        q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, out.stride(0),
+        out.stride(1), k_new, v_new, slots,
         positions, q_norm, k_norm, cos, sin, cos.stride(0), sin.stride(0), cos.shape[-1] // 2,
         eps, scale, q.stride(0), q.stride(1), *k_new.stride()[:2], *v_new.stride()[:2],
         block_tables.stride(0), stride_block, stride_offset, stride_head,
@@ -289,6 +299,8 @@ def decode_attention(
             after_loop=batch <= PDL_MAX_BATCH,
         ),
     )  # fmt: skip
+    if splits == 1:
+        return out
     _merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,

@@ -185,10 +185,12 @@ def test_reads_only_the_tokens_within_each_length():
     assert torch.equal(after, before)
 
 
-def test_a_request_with_no_tokens_gets_zeros():
+@pytest.mark.parametrize("splits", [1, 2])  # one split: no merge, the split kernel writes
+def test_a_request_with_no_tokens_gets_zeros(splits):
     q, k_cache, v_cache, tables, _ = paged_inputs([8, 8], 4, 2, 16, 4, torch.float32)
     seq_lens = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
-    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=2)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=splits, out=out)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     want = reference(q, k_cache, v_cache, tables, seq_lens, 0.25)
     assert_close(out[1], want[1], torch.float32)
