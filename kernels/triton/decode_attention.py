@@ -283,6 +283,7 @@ def decode_attention(
     k_new, v_new, slots = new_kv if new_kv is not None else (k_cache, v_cache, seq_lens)
     # the kernel indexes rows and heads by stride but needs a contiguous head_dim
     k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (k_new, v_new))
+    # without norm_rope: placeholders the kernel never reads
     positions, q_norm, k_norm, eps, cos, sin = norm_rope or (seq_lens, q, q, 0.0, q, q)
     _split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, out.stride(0),

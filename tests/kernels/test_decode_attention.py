@@ -166,6 +166,28 @@ def test_a_new_row_with_slot_minus_one_is_not_stored():
     assert changed == [[row, 13 % 4]]  # request 1's last token only
 
 
+def test_one_split_writes_the_output_without_a_merge(monkeypatch):
+    """With one split a request the split kernel writes the output: no merge launch."""
+    import splitserve.kernels.triton.decode_attention as module
+
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([37, 64], 4, 2, 16, 4, torch.float32)
+    merges = []
+    real_merge = module._merge_kernel
+
+    class CountingMerge:
+        def __getitem__(self, grid):
+            merges.append(grid)
+            return real_merge[grid]
+
+    monkeypatch.setattr(module, "_merge_kernel", CountingMerge())
+    one = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=1)
+    assert merges == []
+    four = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=4)
+    assert len(merges) == 1
+    assert_close(one, four, torch.float32)
+    assert_close(one, reference(q, k_cache, v_cache, tables, seq_lens, 0.25), torch.float32)
+
+
 def test_split_count_does_not_change_the_result():
     q, k_cache, v_cache, tables, seq_lens = paged_inputs([37, 64], 4, 2, 16, 4, torch.float32)
     outs = [decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=s) for s in (1, 4)]

@@ -60,6 +60,37 @@ def test_flags_on_the_gpu(starts_early, lets_next_start, after_loop):
     assert options.get("launch_pdl", False) == starts_early
 
 
+def test_long_kernels_let_the_next_launch_after_their_loop(monkeypatch):
+    """The linears, and split-KV attention up to ``PDL_MAX_BATCH`` requests, ask for
+    ``after_loop``; the merge lets the next kernel launch at its start."""
+    from splitserve.kernels.triton import decode_attention as attention
+    from splitserve.kernels.triton import linear
+
+    asked = []
+
+    def recording(device, **flags):
+        asked.append(flags)
+        return pdl.launch_options(device, **flags)
+
+    for module in (linear, attention):
+        monkeypatch.setattr(module, "launch_options", recording)
+    dev = "cuda" if ON_GPU else "cpu"
+    x, w = torch.randn(1, 64, device=dev), torch.randn(32, 64, device=dev)
+    linear.small_m_linear(x, w)
+    assert asked == [{"starts_early": True, "lets_next_start": False, "after_loop": True}]
+    for batch, early in ((2, True), (attention.PDL_MAX_BATCH + 1, False)):
+        asked.clear()
+        q = torch.randn(batch, 4, 16, device=dev)
+        cache = torch.randn(4, 4, 2, 16, device=dev)
+        tables = torch.ones(batch, 1, dtype=torch.int32, device=dev)
+        lens = torch.full((batch,), 3, dtype=torch.int32, device=dev)
+        attention.decode_attention(q, cache, cache, tables, lens, 0.25, splits=2)
+        assert asked == [
+            {"starts_early": early, "lets_next_start": False, "after_loop": early},
+            {"starts_early": early, "lets_next_start": True},
+        ]
+
+
 def _weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
     def w(*shape, scale=None):
         t = torch.randn(*shape, generator=gen) * (scale or shape[-1] ** -0.5)
