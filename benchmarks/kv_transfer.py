@@ -162,6 +162,13 @@ class Worker:
         self.transports["nccl"].layers_per_message = n
         self.transports["nccl"].first_message_layers = first
 
+    def set_lanes(self, lanes: int) -> None:
+        """Before the first hand-off: the communicators of the pair the sender makes."""
+        self.transports["nccl"].lanes = lanes
+
+    def lanes(self) -> int:
+        return self.transports["nccl"].lanes
+
     def set_nccl_stream_priority(self, priority: int) -> None:
         """Before the first hand-off: the priority of the pair's NCCL stream."""
         self.transports["nccl"].nccl_stream_priority = priority
@@ -566,6 +573,12 @@ def main() -> None:
         help="time each row again with host stamps and print the sender's and receiver's "
         "pace under it (the stamps slow the host, so the rows are timed without them)",
     )
+    ap.add_argument(
+        "--lanes",
+        type=int,
+        help="communicators the transport's pair has, the messages alternating between "
+        "them (default: the transport's)",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument(
@@ -590,6 +603,8 @@ def main() -> None:
     receiver = remote.remote("decode", args.recv_block_size, *common, 2, devices[1])
     ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
     ray.get(sender.set_busy_before_us.remote(args.busy_before_us, args.busy_with))
+    if args.lanes is not None:
+        ray.get(sender.set_lanes.remote(args.lanes))
     if args.nccl_stream_priority is not None:
         priority = args.nccl_stream_priority
         ray.get([side.set_nccl_stream_priority.remote(priority) for side in (sender, receiver)])
@@ -763,6 +778,7 @@ def main() -> None:
                 "recv_block_size": args.recv_block_size,
                 "env": args.env,
                 "nccl_stream_priority": args.nccl_stream_priority,
+                "lanes": ray.get(sender.lanes.remote()),
                 "busy_before_us": args.busy_before_us,
                 "busy_with": args.busy_with,
                 "warmup": w,

@@ -146,9 +146,9 @@ class StampedNccl(_Stamp, NcclKVTransport):
         nccl_send = pair.send
         h.setdefault("issue_in_at_each", []).append(time.perf_counter())
 
-        def timed_send(buf, nbytes) -> None:
-            queue = lambda: nccl_send(buf, nbytes)  # noqa: E731
-            spent = self._span(f"send {send.issued}", pair.nccl_stream, queue)
+        def timed_send(message, buf, nbytes) -> None:
+            queue = lambda: nccl_send(message, buf, nbytes)  # noqa: E731
+            spent = self._span(f"send {message}", pair.lane(message).stream, queue)
             h.setdefault("send_call_each", []).append(spent)
 
         pair.send = timed_send
@@ -178,14 +178,13 @@ class StampedNccl(_Stamp, NcclKVTransport):
             return
         begin = time.perf_counter()
         self.host_mark("host: posting")
-        nccl_recv, count, called = pair.recv, iter(range(len(plan))), []
+        nccl_recv, called = pair.recv, []
 
-        def marked_recv(buf, nbytes) -> None:
-            i = next(count)
+        def marked_recv(i, buf, nbytes) -> None:
             if i == 0:
                 self.host_mark("host: recv 0 call")
             called.append(time.perf_counter())
-            self._span(f"recv {i}", pair.nccl_stream, lambda: nccl_recv(buf, nbytes))
+            self._span(f"recv {i}", pair.lane(i).stream, lambda: nccl_recv(i, buf, nbytes))
 
         pair.recv = marked_recv
         try:

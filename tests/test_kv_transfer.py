@@ -220,6 +220,26 @@ def test_nccl_message_plan_grows_then_shrinks():
         message_plan(8, 36, first=0)
 
 
+def test_nccl_messages_alternate_between_the_pair_lanes():
+    from splitserve.workers.kv_transfer.nccl_pair import Lane, Pair
+
+    lanes = [Lane(None, None), Lane(None, None)]
+    pair = Pair("p->d#1", lanes, 1, None)
+    assert [pair.lane(i) for i in range(5)] == [lanes[0], lanes[1], lanes[0], lanes[1], lanes[0]]
+    alone = Pair("p->d#2", lanes[:1], 1, None)
+    assert all(alone.lane(i) is lanes[0] for i in range(3))
+
+
+def test_nccl_unique_ids_split_per_lane():
+    from splitserve.workers.kv_transfer.nccl_pair import ID_BYTES, split_ids
+
+    ids = bytes(range(ID_BYTES)) + bytes(ID_BYTES)
+    assert split_ids(ids) == [bytes(range(ID_BYTES)), bytes(ID_BYTES)]
+    for bad in (b"", ids[:-1]):
+        with pytest.raises(ValueError, match=f"{ID_BYTES} bytes each"):
+            split_ids(bad)
+
+
 def test_an_unknown_frame_kind_ends_the_connection(pair):
     sender, receiver = pair
     ticket = receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS)
@@ -245,7 +265,7 @@ class _Event:
 def test_nccl_wait_event_returns_on_completion_and_gives_up_at_deadline_or_abort():
     from splitserve.workers.kv_transfer.nccl_pair import Pair, wait_event
 
-    pair = Pair("k", None, 1, None, None)
+    pair = Pair("k", [], 1, None)
     event = _Event(polls=50)
     assert wait_event(event, pair, time.monotonic() + 5)
     assert event.polls == -1  # queried until it completed, not beyond
@@ -260,7 +280,7 @@ def test_nccl_wait_event_returns_on_completion_and_gives_up_at_deadline_or_abort
 def test_nccl_pair_check_open_raises_once_aborted():
     from splitserve.workers.kv_transfer.nccl_pair import Pair
 
-    pair = Pair("p->d#1", None, 1, None, None)
+    pair = Pair("p->d#1", [], 1, None)
     pair.check_open()
     pair.aborted = True
     with pytest.raises(ConnectionError, match="p->d#1 was aborted"):

@@ -1,10 +1,16 @@
-"""One side of a 2-rank NCCL communicator between a prefill and a decode worker.
+"""One side of the NCCL link between a prefill and a decode worker.
 
-A ``Pair`` holds the communicator and the two streams that use it (NCCL, and
-copies: gather on the sender, scatter on the receiver), plus the sender's queue
-of transfers in announce order. ``message_plan`` splits a transfer's layers
-into NCCL messages; both sides read the plan from the transfer's "announce"
-frame, so they agree on every message's size and order.
+A ``Pair`` holds the link's lanes (each a 2-rank communicator and the stream
+that uses it), its copy stream (gather on the sender, scatter on the receiver)
+and the sender's queue of transfers in announce order. ``message_plan`` splits
+a transfer's layers into NCCL messages; both sides read the plan from the
+transfer's "announce" frame, so they agree on every message's size and order.
+
+Message i of a transfer goes on lane ``i % lanes``, so consecutive messages run
+on different communicators: the next message's kernel is already on the wire
+when the one before drains, and a scatter (or gather) launched between them
+cannot hold it off the SMs. Each lane keeps the messages in the same order on
+both sides, which is all NCCL needs to match them.
 """
 
 from __future__ import annotations
@@ -26,20 +32,33 @@ except ImportError:  # machines without cupy: message_plan still works; nccl_tra
     nccl = None
 
 _SPIN_S = 0.02  # how long a wait spins on an event before it sleeps between queries
+ID_BYTES = 128  # an NCCL unique id (NCCL_UNIQUE_ID_BYTES)
+
+
+@dataclass(eq=False)
+class Lane:
+    """One 2-rank communicator of a pair and the stream its sends (or receives) run on."""
+
+    comm: Any  # nccl.NcclCommunicator
+    stream: torch.cuda.Stream
+
+    @functools.cached_property
+    def handle(self) -> int:
+        """The stream's handle (torch's Stream properties cost a microsecond each)."""
+        return self.stream.cuda_stream
 
 
 @dataclass(eq=False)
 class Pair:
-    """This side of one 2-rank communicator, and the streams that use it.
+    """This side of the link with one peer: its lanes, and the copy stream.
 
-    ``lock`` orders every NCCL call on the communicator, the sender's queue and
+    ``lock`` orders every NCCL call on the lanes, the sender's queue and
     ``abort``: sends (and receives) are queued in the order they take it.
     """
 
     key: str
-    comm: Any  # nccl.NcclCommunicator
+    lanes: list[Lane]
     peer_rank: int
-    nccl_stream: torch.cuda.Stream
     copy_stream: torch.cuda.Stream  # gather (sender) or scatter (receiver)
     conn: Any = None  # its control connection (framing.Connection)
     aborted: bool = False
@@ -59,28 +78,43 @@ class Pair:
     # microsecond each.
     @functools.cached_property
     def device_index(self) -> int:
-        return self.nccl_stream.device.index
-
-    @functools.cached_property
-    def stream(self) -> int:
-        """The NCCL stream's handle."""
-        return self.nccl_stream.cuda_stream
+        return self.copy_stream.device.index
 
     @functools.cached_property
     def copy_handle(self) -> int:
         """The copy stream's handle."""
         return self.copy_stream.cuda_stream
 
-    def send(self, ptr: int, nbytes: int) -> None:
-        """Queue a send of ``nbytes`` from device address ``ptr`` on the NCCL stream;
-        caller holds lock."""
-        with self.on_device():
-            self.comm.send(ptr, nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
+    def lane(self, message: int) -> Lane:
+        """The lane that message ``message`` of a transfer goes on (both sides agree)."""
+        return self.lanes[message % len(self.lanes)]
 
-    def recv(self, ptr: int, nbytes: int) -> None:
-        """Queue a receive of ``nbytes`` into device address ``ptr``; caller holds lock."""
+    def send(self, message: int, ptr: int, nbytes: int) -> None:
+        """Queue message ``message``'s send of ``nbytes`` from device address ``ptr`` on
+        its lane; caller holds lock."""
+        lane = self.lane(message)
         with self.on_device():
-            self.comm.recv(ptr, nbytes, nccl.NCCL_UINT8, self.peer_rank, self.stream)
+            lane.comm.send(ptr, nbytes, nccl.NCCL_UINT8, self.peer_rank, lane.handle)
+
+    def recv(self, message: int, ptr: int, nbytes: int) -> None:
+        """Queue message ``message``'s receive of ``nbytes`` into device address ``ptr``;
+        caller holds lock."""
+        lane = self.lane(message)
+        with self.on_device():
+            lane.comm.recv(ptr, nbytes, nccl.NCCL_UINT8, self.peer_rank, lane.handle)
+
+    def abort(self) -> None:
+        """End every lane's pending kernels; caller holds lock.
+
+        The lanes are aborted at once, each in its own thread: an abort waits for the
+        device, so one lane's abort would hang behind the other lane's stuck kernel.
+        """
+        self.aborted = True
+        threads = [threading.Thread(target=lane.comm.abort, daemon=True) for lane in self.lanes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """The communicator's device as the current one (a no-op when it is, as in a
@@ -141,12 +175,23 @@ def wait_event(event: torch.cuda.Event, pair: Pair | None, deadline: float) -> b
     return True
 
 
-def unique_id() -> bytes:
-    """A new NCCL unique id, as bytes (it travels in Ray calls)."""
+def unique_id(count: int = 1) -> bytes:
+    """``count`` new NCCL unique ids, as one string of bytes (it travels in Ray calls)."""
+    return b"".join(_one_unique_id() for _ in range(count))
+
+
+def _one_unique_id() -> bytes:
     uid = nccl.get_unique_id()
     if isinstance(uid, bytes):  # cupy >= 14
         return uid
     return bytes(b & 0xFF for b in uid)  # older cupy: a tuple of C chars
+
+
+def split_ids(uid: bytes) -> list[bytes]:
+    """The NCCL unique ids in ``uid`` (``unique_id``'s output)."""
+    if not uid or len(uid) % ID_BYTES:
+        raise ValueError(f"NCCL unique ids come in {ID_BYTES} bytes each, got {len(uid)} bytes")
+    return [uid[i : i + ID_BYTES] for i in range(0, len(uid), ID_BYTES)]
 
 
 def communicator(uid: bytes, rank: int) -> Any:

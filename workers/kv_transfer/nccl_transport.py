@@ -1,18 +1,20 @@
-"""KV transport over NCCL: one 2-rank communicator per (prefill sender, decode receiver) pair.
+"""KV transport over NCCL: a pair of workers (prefill sender, decode receiver) is linked by
+two 2-rank communicators, its lanes (``nccl_pair.Pair``).
 
 The control frames (hello, announce, done, ack, cancel) travel over the base
 class's TCP connection; the KV bytes travel over NCCL, one message per group of
-layers (``nccl_pair.message_plan``). A transfer sends no frame per layer: its
-"announce" frame, written at ``start_send`` (before the prefill computes),
-carries its message plan, and the receiver queues every receive and scatter of
-the transfer at once. The layers then flow with no CPU work on the receiver.
+layers (``nccl_pair.message_plan``), the messages alternating between the
+lanes. A transfer sends no frame per layer: its "announce" frame, written at
+``start_send`` (before the prefill computes), carries its message plan, and the
+receiver queues every receive and scatter of the transfer at once. The layers
+then flow with no CPU work on the receiver.
 
 Making a pair (the first ``start_send`` from a sender to a receiver)::
 
     sender (rank 0)                              receiver (rank 1)
-    _on_connect: unique id, pair key
-      rendezvous(ticket, key, id)   -- Ray call -->  join(key, id): rank 1, in a thread
-      rank 0 (blocks until rank 1 is in), then a small warm-up send/recv
+    _on_connect: a unique id per lane, pair key
+      rendezvous(ticket, key, ids)  -- Ray call -->  join(key, ids): rank 1, in a thread
+      rank 0 of each lane (blocks until rank 1 is in), then a warm-up send/recv on each
       "hello" {pair: key}           -- TCP ------->  _on_hello: this connection uses that pair
 
 ``rendezvous`` is the caller's: in serving it calls the decode worker that
@@ -24,12 +26,12 @@ first receives waiting for the scatters of the transfer before)::
 
     sender                                       receiver
     start_send: "announce" {plan}   -- TCP -->   _on_announce: for each message i,
-                                                   recv i   (NCCL stream; waits scatter i-2)
+                                                   recv i   (lane i % 2; waits scatter i-2)
                                                    scatter i (copy stream; waits recv i)
     send_layer(l), l in message i:
       gather l  (copy stream, into i's buffer;
                  waits the compute stream, and send i-2 for i's first layer)
-      send i    (NCCL stream; once i's layers are gathered, waits those gathers)
+      send i    (lane i % 2; once i's layers are gathered, waits those gathers)
     finish_send: "done" {layers}    -- TCP -->   _on_done: wait for the last scatter, "ack"
 
 So each layer is gathered as soon as it is computed, message i+1's layers
@@ -50,7 +52,7 @@ the scatter kernel reads when it starts: scatters not yet run write nothing,
 and it waits only for a scatter that may be running.
 
 Failure: a communicator whose peer died cannot be reused (its pending kernels
-never finish). It is aborted (``comm.abort()`` ends them), dropped, and its TCP
+never finish). The pair's are aborted (``comm.abort()`` ends them), dropped, and its TCP
 connection closed, when the connection is lost, when an NCCL call fails, or
 when a receive is still pending at its transfer's deadline. The other side sees
 the connection close and aborts its end; the next ``start_send`` to that
@@ -78,9 +80,11 @@ from splitserve.workers.kv_transfer.base import Incoming, KVTransport, Outgoing,
 from splitserve.workers.kv_transfer.event_pool import EventPool, record, wait
 from splitserve.workers.kv_transfer.framing import Connection
 from splitserve.workers.kv_transfer.nccl_pair import (
+    Lane,
     Pair,
     communicator,
     message_plan,
+    split_ids,
     unique_id,
     wait_event,
 )
@@ -171,12 +175,16 @@ class NcclKVTransport(KVTransport):
         layers_per_message: int = 8,
         fused_copy: bool = True,
         first_message_layers: int = 1,
+        lanes: int = 2,
     ):
         message_plan(layers_per_message, 1, first_message_layers)  # raises on a bad value
+        if lanes < 1:
+            raise ValueError(f"an NCCL pair needs at least one lane, got {lanes}")
         self.rendezvous = rendezvous  # needed to send; a receive-only worker may leave it None
         # Sender side (receivers follow the announced plan): ``message_plan``'s cap and ramp.
         self.layers_per_message = layers_per_message
         self.first_message_layers = first_message_layers
+        self.lanes = lanes  # communicators of each pair this side makes (the receiver joins them)
         self._send_pairs: dict[Peer, Pair] = {}
         self._recv_pairs: list[Pair] = []
         self._joined: dict[str, Pair | Exception] = {}  # by pair key, until its hello
@@ -193,7 +201,8 @@ class NcclKVTransport(KVTransport):
     # ---- making pairs ---------------------------------------------------------
 
     def join(self, pair_key: str, unique_id: bytes) -> None:
-        """Become rank 1 of the sender's communicator ``pair_key``; returns at once."""
+        """Become rank 1 of the sender's pair ``pair_key``, in each communicator whose id
+        ``unique_id`` holds (``nccl_pair.unique_id``); returns at once."""
 
         def run() -> None:
             try:
@@ -216,7 +225,7 @@ class NcclKVTransport(KVTransport):
                     "the nccl KV transport needs rendezvous=... to send: a callable "
                     "(ticket, pair_key, unique_id) that makes the receiver call join()"
                 )
-            uid = unique_id()
+            uid = unique_id(self.lanes)
             self.rendezvous(ticket, key, uid)
             pair = self._connect_rank0(key, uid)
         except BaseException:
@@ -261,16 +270,26 @@ class NcclKVTransport(KVTransport):
 
     def _make_pair(self, key: str, uid: bytes, rank: int) -> Pair:
         device = self.device
-        with cupy.cuda.Device(device.index):
-            comm = communicator(uid, rank)
-        nccl_stream = torch.cuda.Stream(device, priority=self.nccl_stream_priority)
-        pair = Pair(key, comm, 1 - rank, nccl_stream, torch.cuda.Stream(device))
-        # NCCL connects a pair's channels during its first send/recv, with both
-        # ranks in the call: do that here, not under the first real transfer.
-        with torch.cuda.stream(pair.nccl_stream):
-            warm = torch.zeros(_WARMUP_BYTES, dtype=torch.uint8, device=device)
-        (pair.send if rank == 0 else pair.recv)(warm.data_ptr(), _WARMUP_BYTES)
-        pair.nccl_stream.synchronize()
+        lanes: list[Lane] = []
+        try:
+            for lane_id in split_ids(uid):  # both ranks make them in the same order
+                with cupy.cuda.Device(device.index):
+                    comm = communicator(lane_id, rank)
+                stream = torch.cuda.Stream(device, priority=self.nccl_stream_priority)
+                lanes.append(Lane(comm, stream))
+        except BaseException:
+            for lane in lanes:
+                lane.comm.abort()
+            raise
+        pair = Pair(key, lanes, 1 - rank, torch.cuda.Stream(device))
+        # NCCL connects a communicator's channels during its first send/recv, with
+        # both ranks in the call: do that here, not under the first real transfer.
+        warm = torch.zeros(_WARMUP_BYTES, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        for i in range(len(lanes)):
+            (pair.send if rank == 0 else pair.recv)(i, warm.data_ptr(), _WARMUP_BYTES)
+        for lane in lanes:
+            lane.stream.synchronize()
         return pair
 
     def _on_hello(self, conn: Connection, header: dict[str, Any]) -> None:
@@ -348,7 +367,8 @@ class NcclKVTransport(KVTransport):
         with torch.cuda.stream(pair.copy_stream):
             send.staging = self._bytes(count * nbytes)
         send.staging_at = send.staging.data_ptr()
-        send.staging.record_stream(pair.nccl_stream)
+        for lane in pair.lanes:
+            send.staging.record_stream(lane.stream)
         if self.fused_copy:
             send.copy = self._kernel.bind(out.src_slots, send.staging, pair.copy_stream)
 
@@ -448,14 +468,14 @@ class NcclKVTransport(KVTransport):
         """Queue the send of message ``send.issued``, after its gathers."""
         i = send.issued
         first, layers = send.plan[i]
-        slot = i % _RING
+        slot, lane = i % _RING, pair.lane(i).handle
         with pair.on_device():
             if send.gathered > first:  # its layers' gathers are queued (not filler)
                 record(send.staged(slot), pair.copy_handle)
-                wait(pair.stream, send.staged(slot))
+                wait(lane, send.staged(slot))
             at = send.staging_at + slot * send.slot_bytes
-            pair.send(at, layers * send.layer_bytes)  # filler: whatever it holds
-            record(send.sent(slot), pair.stream)
+            pair.send(i, at, layers * send.layer_bytes)  # filler: whatever it holds
+            record(send.sent(slot), lane)
         send.issued += 1
 
     def _peer_lost(self, peer: Peer, error: str) -> None:
@@ -546,11 +566,13 @@ class NcclKVTransport(KVTransport):
         if pair.ring_free is None:
             pair.ring_free = self._cuda_events.take(1)[0]  # the pair's own from now on
         if pair.ring is None or pair.ring.numel() < nbytes:
-            with torch.cuda.stream(pair.nccl_stream):
+            with torch.cuda.stream(pair.copy_stream):
                 pair.ring = self._bytes(nbytes)  # the old one, if any, freed after its uses
-            pair.ring.record_stream(pair.copy_stream)
+            for lane in pair.lanes:
+                pair.ring.record_stream(lane.stream)
         with pair.on_device():
-            wait(pair.stream, pair.ring_free)
+            for lane in pair.lanes:
+                wait(lane.handle, pair.ring_free)
         return pair.ring
 
     def _prepare_scatters(
@@ -570,12 +592,13 @@ class NcclKVTransport(KVTransport):
 
     def _queue_recv(self, pair: Pair, recv: _Recv | None, ring, plan, i: int, layer_bytes: int):
         """Receive message ``i`` into its ring buffer, once message i - 2's scatter is done."""
+        lane = pair.lane(i).handle
         with pair.on_device():
             if recv is not None and i >= _RING:
-                wait(pair.stream, recv.scattered[i - _RING])
-            pair.recv(ring[i % len(ring)], plan[i][1] * layer_bytes)
+                wait(lane, recv.scattered[i - _RING])
+            pair.recv(i, ring[i % len(ring)], plan[i][1] * layer_bytes)
             if recv is not None:
-                recv.record_next(recv.received, pair.stream)
+                recv.record_next(recv.received, lane)
 
     def _queue_scatter(
         self, pair: Pair, recv: _Recv, message, staging: torch.Tensor, offset: int, inc: Incoming
@@ -722,9 +745,8 @@ class NcclKVTransport(KVTransport):
         with pair.lock:
             if pair.aborted:
                 return
-            pair.aborted = True
-            logger.info("aborting NCCL communicator %s: %s", pair.key, reason)
-            pair.comm.abort()
+            logger.info("aborting NCCL pair %s: %s", pair.key, reason)
+            pair.abort()
             pair.ring = None  # freed once the scatters queued from it are done
         if pair.conn is not None:
             pair.conn.close()
