@@ -1,5 +1,5 @@
 """KV transport over NCCL: a pair of workers (prefill sender, decode receiver) is linked by
-two 2-rank communicators, its lanes (``nccl_pair.Pair``).
+2-rank communicators, its lanes (``nccl_pair.Pair``; ``lanes``, two by default).
 
 The control frames (hello, announce, done, ack, cancel) travel over the base
 class's TCP connection; the KV bytes travel over NCCL, one message per group of
