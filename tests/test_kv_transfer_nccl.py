@@ -65,6 +65,15 @@ class Side:
         self.transport.layers_per_message = n
         self.transport.first_message_layers = first
 
+    def set_lanes(self, lanes: int) -> None:
+        """The communicators of the pairs this side makes from now on."""
+        self.transport.lanes = lanes
+
+    def lane_counts(self) -> list[int]:
+        """Lanes of each pair, sending ones first."""
+        pairs = list(self.transport._send_pairs.values()) + self.transport._recv_pairs
+        return [len(p.lanes) for p in pairs]
+
     def receive_rings(self) -> list[tuple[int, int]]:
         """(address, bytes) of each receiving pair's staging ring."""
         pairs = self.transport._recv_pairs
@@ -271,6 +280,26 @@ def test_kv_arrives_byte_identical_across_block_sizes(sides, direction, layers_p
     ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
     for side in sides:
         ray.get(side.set_fused_copy.remote(True))
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_a_pair_of_any_lane_count_delivers_the_kv_in_order(sides, lanes):
+    """One message a layer, so consecutive messages (and a message and the one that
+    reuses its staging buffer) go on different lanes, across transfer boundaries."""
+    _, receiver = sides
+    sender = _side(0, block_size=16, seed=7)
+    ray.get(sender.set_lanes.remote(lanes))
+    ray.get(sender.set_layers_per_message.remote(1))
+    _connect(sender, receiver)
+    for i in range(3):
+        _hand_off(sender, receiver, f"lanes{lanes}-{i}", [1 + i, 4 + i], [50 + i], 0, 32, first=i)
+    assert all(e[2] for e in ray.get(receiver.events.remote(3)))
+    assert all(e[2] for e in ray.get(sender.events.remote(3)))
+    assert ray.get(sender.lane_counts.remote()) == [lanes]
+    assert lanes in ray.get(receiver.lane_counts.remote())  # joined from the sender's ids
+    for i in range(3):
+        _assert_arrived(sender, receiver, [1 + i, 4 + i], [50 + i], 0, 32)
+    ray.kill(sender)
 
 
 def test_many_transfers_in_a_row_stay_ordered(sides):
