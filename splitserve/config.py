@@ -143,6 +143,13 @@ class KVTransferConfig:
     transport: str = "auto"  # auto (nccl on a GPU, else cpu) | cpu | nccl
     host: str = "127.0.0.1"  # address this worker's transport listens on
     timeout_s: float = 60.0  # a hand-off not finished by then fails and frees its blocks
+    # NCCL only (a sender's settings; its receivers follow them): a transfer's messages
+    # grow first_message_layers, twice that, ... up to layers_per_message layers and
+    # shrink the same way; a pair of workers has `lanes` communicators, the messages
+    # alternating between them.
+    layers_per_message: int = 8
+    first_message_layers: int = 1
+    lanes: int = 2
 
     def check(self) -> None:
         if self.transport not in KV_TRANSPORTS:
@@ -152,6 +159,18 @@ class KVTransferConfig:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"invalid kv_transfer.timeout_s={self.timeout_s}: must be > 0")
+        for key in ("layers_per_message", "first_message_layers", "lanes"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"invalid kv_transfer.{key}={value!r}: must be an integer >= 1")
+
+    def nccl_options(self) -> dict[str, int]:
+        """The NCCL transport's keyword arguments."""
+        return {
+            "layers_per_message": self.layers_per_message,
+            "first_message_layers": self.first_message_layers,
+            "lanes": self.lanes,
+        }
 
 
 @dataclass

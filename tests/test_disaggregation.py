@@ -58,6 +58,31 @@ def pair(checkpoint, request):
     decode.close()
 
 
+def test_the_transfer_settings_reach_the_transport(checkpoint, monkeypatch):
+    """The config's NCCL settings and the worker's id go to the transport factory; the
+    CPU transport writes the id into its tickets."""
+    import splitserve.workers.engine as engine_module
+
+    made = {}
+    real = engine_module.make_kv_transport
+
+    def spy(*args, **kwargs):
+        made.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "make_kv_transport", spy)
+    config = _config(checkpoint, "decode", block_size=4)
+    config.kv_transfer.lanes, config.kv_transfer.layers_per_message = 3, 4
+    engine = LLMEngine(config, owner="decode-7")
+    try:
+        nccl = {"layers_per_message": 4, "first_message_layers": 1, "lanes": 3}
+        assert made == {**nccl, "owner": "decode-7"}
+        ticket = engine.kv_transport.make_ticket("r", [1], 0, 4, 2)
+        assert ticket.owner == "decode-7"
+    finally:
+        engine.close()
+
+
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 512, (length + 3 * i,), generator=g).tolist() for i in range(n)]

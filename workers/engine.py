@@ -109,8 +109,9 @@ class LLMEngine:
         self.kv_transport: KVTransport | None = None
         if self.role != "mixed":
             kt = config.kv_transfer
+            options = {**kt.nccl_options(), **transport_options}
             self.kv_transport = make_kv_transport(
-                kt.transport, self.kv_cache, kt.host, kt.timeout_s, **transport_options
+                kt.transport, self.kv_cache, kt.host, kt.timeout_s, **options
             )
         self.async_scheduling = config.scheduler.async_scheduling
         if self.async_scheduling is None:
