@@ -295,6 +295,16 @@ def test_a_pair_of_any_lane_count_delivers_the_kv_in_order(sides, lanes):
         _hand_off(sender, receiver, f"lanes{lanes}-{i}", [1 + i, 4 + i], [50 + i], 0, 32, first=i)
     assert all(e[2] for e in ray.get(receiver.events.remote(3)))
     assert all(e[2] for e in ray.get(sender.events.remote(3)))
+    # A dropped transfer's receives (no scatter waits for them) share the ring with the
+    # next transfer's, on other lanes: the next one's bytes must still arrive intact.
+    ticket = ray.get(receiver.expect.remote(f"lanes{lanes}-dropped", [60], 0, 32))
+    ray.get(receiver.cancel.remote(f"lanes{lanes}-dropped"))
+    ray.get(sender.send.remote(ticket, [10, 11]))
+    assert not ray.get(sender.events.remote())[0][2]
+    _hand_off(sender, receiver, f"lanes{lanes}-after", [12, 13], [61], 0, 32)
+    assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
+    assert [e[2] for e in ray.get(sender.events.remote())] == [True]
+    _assert_arrived(sender, receiver, [12, 13], [61], 0, 32)
     assert ray.get(sender.lane_counts.remote()) == [lanes]
     assert lanes in ray.get(receiver.lane_counts.remote())  # joined from the sender's ids
     for i in range(3):

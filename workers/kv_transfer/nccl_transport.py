@@ -531,6 +531,7 @@ class NcclKVTransport(KVTransport):
                 for i in range(count, len(plan)):
                     self._queue_recv(pair, None, ring, plan, i, layer_bytes)
                 self._cuda_events.give(recv.received + recv.spare)
+                self._ring_after_receives(pair)
                 return
             recv.live = inc.extra["live"] if self.fused_copy else None
             inc.extra["recv"] = recv
@@ -574,6 +575,18 @@ class NcclKVTransport(KVTransport):
             for lane in pair.lanes:
                 wait(lane.handle, pair.ring_free)
         return pair.ring
+
+    def _ring_after_receives(self, pair: Pair) -> None:
+        """Make the next transfer's receives wait for every receive queued on the pair's
+        lanes now (a dropped transfer's, which no scatter waits for): on different lanes,
+        two receives into one ring buffer would otherwise run at once."""
+        events = self._cuda_events.take(len(pair.lanes))
+        with pair.on_device():
+            for lane, event in zip(pair.lanes, events):
+                record(event, lane.handle)
+                wait(pair.copy_handle, event)
+            record(pair.ring_free, pair.copy_handle)
+        self._cuda_events.give(events)  # each wait is queued: they may be recorded again
 
     def _prepare_scatters(
         self, pair: Pair, recv: _Recv, inc: Incoming, staging: torch.Tensor
