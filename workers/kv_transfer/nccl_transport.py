@@ -22,7 +22,7 @@ Making a pair (the first ``start_send`` from a sender to a receiver)::
 
 One transfer (per side, a ring of two staging buffers; CUDA events order them; the
 receiver's ring belongs to the pair and is kept from one transfer to the next, its
-first receives waiting for the scatters of the transfer before)::
+first receives waiting for the receives and scatters of the transfer before)::
 
     sender                                       receiver
     start_send: "announce" {plan}   -- TCP -->   _on_announce: for each message i,
@@ -283,9 +283,9 @@ class NcclKVTransport(KVTransport):
             raise
         pair = Pair(key, lanes, 1 - rank, torch.cuda.Stream(device))
         # NCCL connects a communicator's channels during its first send/recv, with
-        # both ranks in the call: do that here, not under the first real transfer.
-        warm = torch.zeros(_WARMUP_BYTES, dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)
+        # both ranks in the call: do that here, not under the first real transfer. The
+        # bytes are whatever the buffer holds; it is freed once every lane is done.
+        warm = self._bytes(_WARMUP_BYTES)
         for i in range(len(lanes)):
             (pair.send if rank == 0 else pair.recv)(i, warm.data_ptr(), _WARMUP_BYTES)
         for lane in lanes:
@@ -531,7 +531,7 @@ class NcclKVTransport(KVTransport):
                 for i in range(count, len(plan)):
                     self._queue_recv(pair, None, ring, plan, i, layer_bytes)
                 self._cuda_events.give(recv.received + recv.spare)
-                self._ring_after_receives(pair)
+                self._release_ring(pair)
                 return
             recv.live = inc.extra["live"] if self.fused_copy else None
             inc.extra["recv"] = recv
@@ -541,8 +541,7 @@ class NcclKVTransport(KVTransport):
                     self._queue_recv(pair, recv, ring, plan, i, layer_bytes)
                 slot = (i - 1) % count
                 self._queue_scatter(pair, recv, plan[i - 1], staging, slot * nbytes, inc)
-            with pair.on_device():  # the next transfer's receives wait for these scatters
-                record(pair.ring_free, pair.copy_handle)
+            self._release_ring(pair)
 
     def _accept(self, conn: Connection, rid: str, plan, layer_bytes: int) -> Incoming | None:
         """The expected transfer ``rid``, now receiving; None when nobody expects it or
@@ -562,7 +561,7 @@ class NcclKVTransport(KVTransport):
 
         The ring is kept from one transfer to the next: allocating it when an announce
         comes cost about 90 us of the hand-off's start. It grows when a plan needs
-        more. The receives queued next wait for every scatter queued from it before.
+        more. The receives queued next wait for all queued on it before (``_release_ring``).
         """
         if pair.ring_free is None:
             pair.ring_free = self._cuda_events.take(1)[0]  # the pair's own from now on
@@ -576,10 +575,11 @@ class NcclKVTransport(KVTransport):
                 wait(lane.handle, pair.ring_free)
         return pair.ring
 
-    def _ring_after_receives(self, pair: Pair) -> None:
-        """Make the next transfer's receives wait for every receive queued on the pair's
-        lanes now (a dropped transfer's, which no scatter waits for): on different lanes,
-        two receives into one ring buffer would otherwise run at once."""
+    def _release_ring(self, pair: Pair) -> None:
+        """Make the next transfer's receives wait for all that is queued on the pair's ring
+        now: the scatters out of it (copy stream) and the receives into it (every lane;
+        a dropped transfer's have no scatter). On different lanes, two receives into one
+        ring buffer would otherwise run at once."""
         events = self._cuda_events.take(len(pair.lanes))
         with pair.on_device():
             for lane, event in zip(pair.lanes, events):
