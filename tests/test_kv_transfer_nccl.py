@@ -74,6 +74,14 @@ class Side:
         pairs = list(self.transport._send_pairs.values()) + self.transport._recv_pairs
         return [len(p.lanes) for p in pairs]
 
+    def hold_newest_pair(self, lane: int, lane_cycles: int, copy_cycles: int) -> None:
+        """Keep one lane and the copy stream of the newest receiving pair busy."""
+        pair = self.transport._recv_pairs[-1]
+        held = ((pair.lanes[lane].stream, lane_cycles), (pair.copy_stream, copy_cycles))
+        for stream, cycles in held:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+
     def receive_rings(self) -> list[tuple[int, int]]:
         """(address, bytes) of each receiving pair's staging ring."""
         pairs = self.transport._recv_pairs
@@ -309,6 +317,30 @@ def test_a_pair_of_any_lane_count_delivers_the_kv_in_order(sides, lanes):
     assert lanes in ray.get(receiver.lane_counts.remote())  # joined from the sender's ids
     for i in range(3):
         _assert_arrived(sender, receiver, [1 + i, 4 + i], [50 + i], 0, 32)
+    ray.kill(sender)
+
+
+def test_a_dropped_transfer_on_another_lane_cannot_write_into_the_next_ones_ring(sides):
+    """Three lanes, one-layer messages: a dropped transfer's message 2 (lane 2) and the next
+    transfer's message 0 (lane 0) use the same ring buffer. The receiver's lane 2 and copy
+    stream are held, so unless the ring waits for every lane, the dropped bytes land
+    between the next message 0's receive and its scatter."""
+    _, receiver = sides
+    sender = _side(0, block_size=16, seed=8)
+    ray.get(sender.set_lanes.remote(3))
+    ray.get(sender.set_layers_per_message.remote(1))
+    _connect(sender, receiver)
+    _hand_off(sender, receiver, "held-first", [1, 2], [70], 0, 32)  # the pair and its ring
+    ray.get([receiver.events.remote(), sender.events.remote()])
+    ticket = ray.get(receiver.expect.remote("held-dropped", [71], 0, 32))
+    ray.get(receiver.cancel.remote("held-dropped"))
+    ray.get(receiver.hold_newest_pair.remote(2, STALL_CYCLES // 4, STALL_CYCLES // 2))
+    ray.get(sender.send.remote(ticket, [3, 4]))
+    _hand_off(sender, receiver, "held-next", [5, 6], [72], 0, 32)
+    sent = {e[0]: e[2] for e in ray.get(sender.events.remote(2))}
+    assert sent == {"held-dropped": False, "held-next": True}
+    assert [e[:3] for e in ray.get(receiver.events.remote())] == [("held-next", "recv", True)]
+    _assert_arrived(sender, receiver, [5, 6], [72], 0, 32)
     ray.kill(sender)
 
 
