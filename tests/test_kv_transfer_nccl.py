@@ -74,18 +74,20 @@ class Side:
         pairs = list(self.transport._send_pairs.values()) + self.transport._recv_pairs
         return [len(p.lanes) for p in pairs]
 
-    def hold_newest_pair(self, lane: int, lane_cycles: int, copy_cycles: int) -> None:
-        """Keep one lane and the copy stream of the newest receiving pair busy."""
+    def hold_newest_pair(self, cycles: int, lane: int | None = None) -> None:
+        """Keep a lane (``None``: the copy stream) of the newest receiving pair busy."""
         pair = self.transport._recv_pairs[-1]
-        held = ((pair.lanes[lane].stream, lane_cycles), (pair.copy_stream, copy_cycles))
-        for stream, cycles in held:
-            with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                torch.cuda._sleep(cycles)
+        stream = pair.copy_stream if lane is None else pair.lanes[lane].stream
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            torch.cuda._sleep(cycles)
 
-    def receive_rings(self) -> list[tuple[int, int]]:
-        """(address, bytes) of each receiving pair's staging ring."""
+    def send_pair_keys(self) -> list[str]:
+        return [pair.key for pair in self.transport._send_pairs.values()]
+
+    def receive_rings(self) -> dict[str, tuple[int, int]]:
+        """(address, bytes) of each receiving pair's staging ring, by pair key."""
         pairs = self.transport._recv_pairs
-        return [(p.ring.data_ptr(), p.ring.numel()) for p in pairs if p.ring is not None]
+        return {p.key: (p.ring.data_ptr(), p.ring.numel()) for p in pairs if p.ring is not None}
 
     def hold_copy_streams(self, cycles: int) -> None:
         """Keep each receiving pair's copy stream busy: the scatters queued next wait."""
@@ -322,9 +324,9 @@ def test_a_pair_of_any_lane_count_delivers_the_kv_in_order(sides, lanes):
 
 def test_a_dropped_transfer_on_another_lane_cannot_write_into_the_next_ones_ring(sides):
     """Three lanes, one-layer messages: a dropped transfer's message 2 (lane 2) and the next
-    transfer's message 0 (lane 0) use the same ring buffer. The receiver's lane 2 and copy
-    stream are held, so unless the ring waits for every lane, the dropped bytes land
-    between the next message 0's receive and its scatter."""
+    transfer's message 0 (lane 0) use the same ring buffer. The receiver's lane 2 is held
+    before the dropped transfer, its copy stream after it: unless the ring waits for every
+    lane, the dropped bytes land between the next message 0's receive and its scatter."""
     _, receiver = sides
     sender = _side(0, block_size=16, seed=8)
     ray.get(sender.set_lanes.remote(3))
@@ -334,11 +336,14 @@ def test_a_dropped_transfer_on_another_lane_cannot_write_into_the_next_ones_ring
     ray.get([receiver.events.remote(), sender.events.remote()])
     ticket = ray.get(receiver.expect.remote("held-dropped", [71], 0, 32))
     ray.get(receiver.cancel.remote("held-dropped"))
-    ray.get(receiver.hold_newest_pair.remote(2, STALL_CYCLES // 4, STALL_CYCLES // 2))
+    ray.get(receiver.hold_newest_pair.remote(STALL_CYCLES // 4, lane=2))
     ray.get(sender.send.remote(ticket, [3, 4]))
+    # The sender hears of the drop from the receiver's answer to its "done" frame, which
+    # comes after the receiver queued the dropped receives and released the ring.
+    assert [e[:3] for e in ray.get(sender.events.remote())] == [("held-dropped", "send", False)]
+    ray.get(receiver.hold_newest_pair.remote(STALL_CYCLES // 2))  # the copy stream
     _hand_off(sender, receiver, "held-next", [5, 6], [72], 0, 32)
-    sent = {e[0]: e[2] for e in ray.get(sender.events.remote(2))}
-    assert sent == {"held-dropped": False, "held-next": True}
+    assert [e[:3] for e in ray.get(sender.events.remote())] == [("held-next", "send", True)]
     assert [e[:3] for e in ray.get(receiver.events.remote())] == [("held-next", "recv", True)]
     _assert_arrived(sender, receiver, [5, 6], [72], 0, 32)
     ray.kill(sender)
@@ -374,8 +379,8 @@ def test_the_receive_ring_is_kept_and_refilled_only_after_its_scatters(sides, co
     ray.get(sender.set_layers_per_message.remote(NUM_LAYERS, NUM_LAYERS))
     _hand_off(sender, receiver, f"ring-{copy}", [3, 4], [5], 0, 30)
     ray.get([receiver.events.remote(), sender.events.remote()])
-    ring = ray.get(receiver.receive_rings.remote())
-    assert ring
+    (key,) = ray.get(sender.send_pair_keys.remote())
+    ring = ray.get(receiver.receive_rings.remote())[key]
     ray.get(receiver.hold_copy_streams.remote(STALL_CYCLES // 4))
     specs = [([6, 7], [8]), ([9, 10], [11])]  # (sender blocks, receiver blocks)
     tickets = [
@@ -387,7 +392,7 @@ def test_the_receive_ring_is_kept_and_refilled_only_after_its_scatters(sides, co
     assert all(e[2] for e in ray.get(sender.events.remote(2)))
     for src, dst in specs:
         _assert_arrived(sender, receiver, src, dst, 0, 30)
-    assert ray.get(receiver.receive_rings.remote()) == ring  # the same buffer throughout
+    assert ray.get(receiver.receive_rings.remote())[key] == ring  # the same buffer throughout
     ray.get(sender.set_layers_per_message.remote(DEFAULT_LAYERS_PER_MESSAGE))
     ray.get(receiver.set_fused_copy.remote(True))
 
