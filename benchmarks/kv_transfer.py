@@ -78,6 +78,7 @@ from splitserve.workers.kv_cache import KVCache, KVCacheSpec
 from splitserve.workers.kv_transfer.nccl_pair import (
     communicator,
     message_plan,
+    transfer_plan,
     unique_id,
     wait_event,
 )
@@ -161,6 +162,9 @@ class Worker:
     def set_layers_per_message(self, n: int, first: int = 2) -> None:
         self.transports["nccl"].layers_per_message = n
         self.transports["nccl"].first_message_layers = first
+
+    def set_max_message_bytes(self, nbytes: int | None) -> None:
+        self.transports["nccl"].max_message_bytes = nbytes
 
     def set_lanes(self, lanes: int) -> None:
         """Before the first hand-off: the communicators of the pair the sender makes."""
@@ -579,6 +583,12 @@ def main() -> None:
         help="communicators the transport's pair has, the messages alternating between "
         "them (default: the transport's)",
     )
+    ap.add_argument(
+        "--max-message-mb",
+        type=int,
+        help="the transport's cap on a message's size in MiB (default: none here, so each "
+        "row has the layers a message it names; the transport's own default is 128)",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument(
@@ -605,6 +615,8 @@ def main() -> None:
     ray.get(sender.set_busy_before_us.remote(args.busy_before_us, args.busy_with))
     if args.lanes is not None:
         ray.get(sender.set_lanes.remote(args.lanes))
+    max_bytes = None if args.max_message_mb is None else args.max_message_mb << 20
+    ray.get(sender.set_max_message_bytes.remote(max_bytes))
     if args.nccl_stream_priority is not None:
         priority = args.nccl_stream_priority
         ray.get([side.set_nccl_stream_priority.remote(priority) for side in (sender, receiver)])
@@ -639,7 +651,8 @@ def main() -> None:
     for m, first, copy, gap, posted_first in modes:
         ray.get(sender.set_layers_per_message.remote(m, first))
         ray.get([side.set_fused_copy.remote(copy == "fused") for side in (sender, receiver)])
-        sizes = [n * layer_bytes for _, n in message_plan(m, LAYERS, first)]
+        plan = transfer_plan(LAYERS, layer_bytes, m, first, max_bytes)
+        sizes = [n * layer_bytes for _, n in plan]
         tag = f"nccl-m{m}-f{first}-{copy}-g{gap:g}-p{posted_first:d}"
         seconds, tail, intact, host = time_transport(
             sender, receiver, "nccl", tag, w, r, gap, posted_first
@@ -779,6 +792,7 @@ def main() -> None:
                 "env": args.env,
                 "nccl_stream_priority": args.nccl_stream_priority,
                 "lanes": ray.get(sender.lanes.remote()),
+                "max_message_mb": args.max_message_mb,
                 "busy_before_us": args.busy_before_us,
                 "busy_with": args.busy_with,
                 "warmup": w,

@@ -145,11 +145,14 @@ class KVTransferConfig:
     timeout_s: float = 60.0  # a hand-off not finished by then fails and frees its blocks
     # NCCL only (a sender's settings; its receivers follow them): a transfer's messages
     # grow first_message_layers, twice that, ... up to layers_per_message layers and
-    # shrink the same way; a pair of workers has `lanes` communicators, the messages
-    # alternating between them.
+    # shrink the same way; a message holds at most max_message_mb MiB (None: no limit)
+    # unless one layer is larger, which bounds both sides' staging buffers (two of the
+    # largest messages each) for long prompts; a pair of workers has `lanes`
+    # communicators, the messages alternating between them.
     layers_per_message: int = 8
     first_message_layers: int = 1
     lanes: int = 2
+    max_message_mb: int | None = 128
 
     def check(self) -> None:
         if self.transport not in KV_TRANSPORTS:
@@ -159,17 +162,21 @@ class KVTransferConfig:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"invalid kv_transfer.timeout_s={self.timeout_s}: must be > 0")
-        for key in ("layers_per_message", "first_message_layers", "lanes"):
+        for key in ("layers_per_message", "first_message_layers", "lanes", "max_message_mb"):
             value = getattr(self, key)
+            if key == "max_message_mb" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"invalid kv_transfer.{key}={value!r}: must be an integer >= 1")
 
-    def nccl_options(self) -> dict[str, int]:
+    def nccl_options(self) -> dict[str, int | None]:
         """The NCCL transport's keyword arguments."""
+        mb = self.max_message_mb
         return {
             "layers_per_message": self.layers_per_message,
             "first_message_layers": self.first_message_layers,
             "lanes": self.lanes,
+            "max_message_bytes": None if mb is None else mb << 20,
         }
 
 

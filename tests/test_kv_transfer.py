@@ -220,6 +220,25 @@ def test_nccl_message_plan_grows_then_shrinks():
         message_plan(8, 36, first=0)
 
 
+@pytest.mark.parametrize("tokens", [512, 4096, 8192, 32768, 131072])
+def test_nccl_messages_stay_under_the_byte_cap_for_long_prompts(tokens):
+    """Qwen3-8B's KV (36 layers, 8 KV heads, head dim 128, bf16): up to 4k tokens the
+    plan is the layer cap's; beyond, messages shrink to 128 MiB, and to one layer once a
+    layer is larger."""
+    from splitserve.workers.kv_transfer.nccl_pair import message_plan, transfer_plan
+
+    layer_bytes, cap_bytes = 2 * tokens * 8 * 128 * 2, 128 << 20
+    plan = transfer_plan(36, layer_bytes, 8, 1, cap_bytes)
+    assert [start + j for start, n in plan for j in range(n)] == list(range(36))
+    largest = max(n for _, n in plan)
+    assert largest * layer_bytes <= max(cap_bytes, layer_bytes)
+    if tokens <= 4096:
+        assert plan == message_plan(8, 36)
+    else:
+        assert largest == max(1, cap_bytes // layer_bytes) < 8
+    assert transfer_plan(36, layer_bytes, 8, 1, None) == message_plan(8, 36)
+
+
 def test_nccl_messages_alternate_between_the_pair_lanes():
     from splitserve.workers.kv_transfer.nccl_pair import Lane, Pair
 

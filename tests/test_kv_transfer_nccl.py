@@ -65,6 +65,9 @@ class Side:
         self.transport.layers_per_message = n
         self.transport.first_message_layers = first
 
+    def set_max_message_bytes(self, nbytes: int | None) -> None:
+        self.transport.max_message_bytes = nbytes
+
     def set_lanes(self, lanes: int) -> None:
         """The communicators of the pairs this side makes from now on."""
         self.transport.lanes = lanes
@@ -346,6 +349,24 @@ def test_a_dropped_transfer_on_another_lane_cannot_write_into_the_next_ones_ring
     assert [e[:3] for e in ray.get(sender.events.remote())] == [("held-next", "send", True)]
     assert [e[:3] for e in ray.get(receiver.events.remote())] == [("held-next", "recv", True)]
     _assert_arrived(sender, receiver, [5, 6], [72], 0, 32)
+    ray.kill(sender)
+
+
+def test_the_byte_cap_splits_messages_and_bounds_the_receive_ring(sides):
+    """A cap of one layer's bytes: the 4-layer plan [1, 2, 1] goes as four one-layer
+    messages, and the receiver's ring holds two layers, not two of the two-layer one."""
+    _, receiver = sides
+    sender = _side(0, block_size=16, seed=9)
+    layer_bytes = 2 * 32 * HEADS * DIM * 2  # K and V of 32 tokens, bf16
+    ray.get(sender.set_layers_per_message.remote(8))
+    ray.get(sender.set_max_message_bytes.remote(layer_bytes))
+    _connect(sender, receiver)
+    _hand_off(sender, receiver, "capped", [1, 2], [80], 0, 32)
+    assert [e[:3] for e in ray.get(receiver.events.remote())] == [("capped", "recv", True)]
+    assert [e[:3] for e in ray.get(sender.events.remote())] == [("capped", "send", True)]
+    _assert_arrived(sender, receiver, [1, 2], [80], 0, 32)
+    (key,) = ray.get(sender.send_pair_keys.remote())
+    assert ray.get(receiver.receive_rings.remote())[key][1] == 2 * layer_bytes
     ray.kill(sender)
 
 

@@ -79,6 +79,7 @@ def test_shipped_configs_load():
         ({"engine": {"kv_transfer": {"lanes": 0}}}, "kv_transfer.lanes=0: must be an integer"),
         ({"engine": {"kv_transfer": {"layers_per_message": "8"}}}, "layers_per_message='8'"),
         ({"engine": {"kv_transfer": {"first_message_layers": True}}}, "first_message_layers=True"),
+        ({"engine": {"kv_transfer": {"max_message_mb": 0}}}, "max_message_mb=0: must be"),
         ({"pools": {"decode": {"min_replicas": 1}}}, "set both min_replicas and max_replicas"),
         ({"pools": {"decode": {"replicas": 0}}}, "no worker can serve"),
         ({"router": {"local_prefix_hit_ratio": 0}}, "local_prefix_hit_ratio=0"),
@@ -99,3 +100,10 @@ def test_yaml_errors_name_the_file(tmp_path):
     path.write_text("pools:\n  decode: {replicas: -1}\n")
     with pytest.raises(ValueError, match=r"bad.yaml: invalid pools.decode.replicas=-1"):
         ServeConfig.from_yaml(path)
+
+
+def test_the_kv_message_byte_cap_can_be_lifted():
+    config = ServeConfig.from_dict({"engine": {"kv_transfer": {"max_message_mb": None}}})
+    assert config.engine.kv_transfer.nccl_options()["max_message_bytes"] is None
+    config = ServeConfig.from_dict({"engine": {"kv_transfer": {"max_message_mb": 32}}})
+    assert config.engine.kv_transfer.nccl_options()["max_message_bytes"] == 32 << 20

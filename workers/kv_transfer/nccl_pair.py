@@ -127,6 +127,18 @@ class Pair:
         )
 
 
+def transfer_plan(
+    num_layers: int, layer_bytes: int, cap: int, first: int = 1, max_bytes: int | None = None
+) -> list[tuple[int, int]]:
+    """``message_plan`` for a transfer of ``layer_bytes`` a layer, its ``cap`` lowered so
+    that a message holds at most ``max_bytes`` (``None``: no limit) but at least one
+    layer. Both sides stage two of the largest messages, so this bounds their buffers
+    whatever the prompt's length."""
+    if max_bytes is not None and layer_bytes > 0:
+        cap = max(1, min(cap, max_bytes // layer_bytes))
+    return message_plan(cap, num_layers, first)
+
+
 def message_plan(cap: int, num_layers: int, first: int = 1) -> list[tuple[int, int]]:
     """``(first layer, layers)`` of each NCCL message of a transfer.
 

@@ -3,8 +3,9 @@
 
 The control frames (hello, announce, done, ack, cancel) travel over the base
 class's TCP connection; the KV bytes travel over NCCL, one message per group of
-layers (``nccl_pair.message_plan``), the messages alternating between the
-lanes. A transfer sends no frame per layer: its "announce" frame, written at
+layers (``nccl_pair.message_plan``; a message holds at most ``max_message_bytes``,
+128 MiB by default, unless one layer is larger), the messages alternating between
+the lanes. A transfer sends no frame per layer: its "announce" frame, written at
 ``start_send`` (before the prefill computes), carries its message plan, and the
 receiver queues every receive and scatter of the transfer at once. The layers
 then flow with no CPU work on the receiver.
@@ -85,6 +86,7 @@ from splitserve.workers.kv_transfer.nccl_pair import (
     communicator,
     message_plan,
     split_ids,
+    transfer_plan,
     unique_id,
     wait_event,
 )
@@ -176,14 +178,18 @@ class NcclKVTransport(KVTransport):
         fused_copy: bool = True,
         first_message_layers: int = 1,
         lanes: int = 2,
+        max_message_bytes: int | None = 128 << 20,
     ):
         message_plan(layers_per_message, 1, first_message_layers)  # raises on a bad value
         if lanes < 1:
             raise ValueError(f"an NCCL pair needs at least one lane, got {lanes}")
+        if max_message_bytes is not None and max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be at least 1, got {max_message_bytes}")
         self.rendezvous = rendezvous  # needed to send; a receive-only worker may leave it None
         # Sender side (receivers follow the announced plan): ``message_plan``'s cap and ramp.
         self.layers_per_message = layers_per_message
         self.first_message_layers = first_message_layers
+        self.max_message_bytes = max_message_bytes  # lowers the cap for long prompts
         self.lanes = lanes  # communicators of each pair this side makes (the receiver joins them)
         self._send_pairs: dict[Peer, Pair] = {}
         self._recv_pairs: list[Pair] = []
@@ -345,8 +351,14 @@ class NcclKVTransport(KVTransport):
 
     def _announce(self, out: Outgoing, pair: Pair) -> None:
         t = out.ticket
-        plan = message_plan(self.layers_per_message, t.num_layers, self.first_message_layers)
         layer_bytes = self.transfer_bytes(t) // max(t.num_layers, 1)
+        plan = transfer_plan(
+            t.num_layers,
+            layer_bytes,
+            self.layers_per_message,
+            self.first_message_layers,
+            self.max_message_bytes,
+        )
         compute = _current_stream(self.device)
         events = self._cuda_events.take(_SEND_EVENTS)
         send = out.extra["send"] = _Send(pair, plan, layer_bytes, compute, events)
