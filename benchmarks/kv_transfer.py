@@ -19,7 +19,8 @@ times as much.
   (``_finish_incoming``, receiver). Both actors read the host's monotonic
   clock. Effective GB/s counts gather, send, receive and scatter. Rows for
   several ``layers_per_message`` m (1 = per layer; more = coalesced, in
-  messages of 1, 2, 4, ... up to m layers and back down, ``message_plan``).
+  messages of 1, 2, 4, ... up to m layers and back down, ``message_plan``; with
+  --max-message-mb, fewer layers where m would pass that size: ``transfer_plan``).
 - one by one (--layer-gap-us G > 0): the sender's compute stream sleeps G us
   before each layer, as if computing it (send_layer is called as each layer is
   queued, as in serving). "tail" is the time from the end of the last layer's
@@ -77,7 +78,6 @@ from kv_transfer_stamps import StampedCpu, StampedNccl  # noqa: E402
 from splitserve.workers.kv_cache import KVCache, KVCacheSpec
 from splitserve.workers.kv_transfer.nccl_pair import (
     communicator,
-    message_plan,
     transfer_plan,
     unique_id,
     wait_event,
@@ -445,7 +445,12 @@ def _median_of(values):
 
 
 def record_timeline(
-    sender, receiver, layers_per_message: int = 8, first: int = 1, posted_first: bool = False
+    sender,
+    receiver,
+    layers_per_message: int = 8,
+    first: int = 1,
+    posted_first: bool = False,
+    max_bytes: int | None = None,
 ) -> list:
     """One hand-off with CUDA events around every gather, send, receive and scatter,
     and host instants (the sender's start; the receiver's announce, done frame and end
@@ -463,7 +468,9 @@ def record_timeline(
         ((side, w, b - start, e - start) for side, marks in spans.items() for w, b, e in marks),
         key=lambda row: row[2],
     )
-    plan = [n for _, n in message_plan(layers_per_message, LAYERS, first)]
+    layer_bytes = 2 * ray.get(receiver.num_tokens.remote("nccl")) * HEADS * DIM * DTYPE.itemsize
+    plan = transfer_plan(LAYERS, layer_bytes, layers_per_message, first, max_bytes)
+    plan = [n for _, n in plan]
     posted = ", receives posted first" if posted_first else ""
     print(f"\nTimeline (plan {plan}{posted}), us from the sender's start")
     for side, what, begin, end in rows:
@@ -709,8 +716,8 @@ def main() -> None:
     timeline = None
     if args.timeline:
         first = args.first_message_layers
-        timeline = [record_timeline(sender, receiver, 8, f) for f in first]
-        timeline += [record_timeline(sender, receiver, 8, f, True) for f in first]
+        timeline = [record_timeline(sender, receiver, 8, f, False, max_bytes) for f in first]
+        timeline += [record_timeline(sender, receiver, 8, f, True, max_bytes) for f in first]
     if args.cpu_tokens:
         cpu_bytes = LAYERS * 2 * args.cpu_tokens * HEADS * DIM * elem
         seconds, _, intact, _ = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
