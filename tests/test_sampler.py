@@ -78,6 +78,16 @@ def test_greedy_is_argmax_in_any_dtype():
     assert out.logprobs == [None] * 6
 
 
+def test_plain_greedy_rows_pick_what_the_full_path_picks():
+    # Small integers: many ties, which both paths break towards the first index.
+    logits = torch.randint(-3, 4, (8, 50), generator=torch.Generator().manual_seed(1)).bfloat16()
+    first_best = [row.index(max(row)) for row in logits.float().tolist()]
+    plain = [req(i, temperature=0.0) for i in range(8)]
+    assert Sampler(tiny_tokenizer())(logits, plain).token_ids == first_best
+    with_logprobs = plain[:7] + [req(7, temperature=0.0, logprobs=1)]  # the float32 path
+    assert Sampler(tiny_tokenizer())(logits, with_logprobs).token_ids == first_best
+
+
 def test_penalties_follow_the_formulas():
     # token 0 in the prompt, token 1 once and token 3 twice in the output.
     r = req(

@@ -54,6 +54,20 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         logits -= freq * out_counts + pres * (out_counts > 0)
 
 
+def edit_logits(requests: list[Request]) -> bool:
+    """Whether a processor here may change any of these rows (penalties, a min_tokens not
+    yet reached, bad words); if not, the sampler can read the model's logits as they are."""
+    return any(
+        p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+        or r.num_output_tokens < p.min_tokens
+        or p.bad_words
+        for r in requests
+        for p in (r.sampling_params,)
+    )
+
+
 def _ban(logits: torch.Tensor, rows: list[int], cols: list[int]) -> None:
     if rows:
         index = (to_device(rows, logits.device), to_device(cols, logits.device))

@@ -17,7 +17,12 @@ import torch.nn.functional as F
 
 from splitserve.scheduler.request import Request
 from splitserve.workers.input_batch import to_device
-from splitserve.workers.logits_processors import BadWords, apply_min_tokens, apply_penalties
+from splitserve.workers.logits_processors import (
+    BadWords,
+    apply_min_tokens,
+    apply_penalties,
+    edit_logits,
+)
 
 
 @dataclass
@@ -118,6 +123,10 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
         """Queue the sampling of one token per row; nothing here waits for the device."""
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
+        if not edit_logits(requests) and all(_plain_greedy(r) for r in requests):
+            # Nothing edits or reads the float32 logits: one argmax, no copies (an argmax of
+            # the model's dtype picks what the float32 one picks, first index on ties).
+            return SampledTokens(logits.argmax(dim=-1), requests, [])
         raw = logits.float()
         x = raw.clone()
         apply_penalties(x, requests)
@@ -189,3 +198,9 @@ class Sampler:
         """Drop per-request state (generator, bad-word ids) once a request has ended."""
         self._request_generators.pop(request_id, None)
         self.bad_words.release(request_id)
+
+
+def _plain_greedy(request: Request) -> bool:
+    """Greedy, without logprobs."""
+    params = request.sampling_params
+    return params.greedy and params.logprobs is None

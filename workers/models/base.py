@@ -119,7 +119,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[num_rows, vocab]``."""
+        """Logits ``[num_rows, vocab]`` in the model's dtype."""
         return self.lm_head(hidden)
 
     # ---- weights
