@@ -166,8 +166,13 @@ def rms_norm_linear(
     eps: float,
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,
+    next_starts_at_once: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [..., N], [..., K]
     """``(linear(rms_norm(x + residual)), x + residual)``, or of x alone without a
-    residual; on CUDA one kernel for one row (a decode step of one request)."""
-    kernels = _triton("linear") if use_triton(x) else dense
-    return kernels.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    residual; on CUDA one kernel for one row (a decode step of one request), which with
+    ``next_starts_at_once`` lets the next kernel launch as it starts (``pdl.py``)."""
+    if not use_triton(x):
+        return dense.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    return _triton("linear").rms_norm_linear(
+        x, residual, norm_weight, eps, weight, bias, next_starts_at_once=next_starts_at_once
+    )

@@ -285,10 +285,12 @@ def rms_norm_linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,
     config: LinearConfig | None = None,
+    next_starts_at_once: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [..., N], [..., K]
     """``(linear(rms_norm(x + residual)), x + residual)`` (without ``residual``: of x, and
     x). For one row one kernel: each program norms the row for itself as it streams it
-    (the module docstring), and the first stores the sum; ``rmsnorm.py`` otherwise."""
+    (the module docstring), and the first stores the sum; ``rmsnorm.py`` otherwise.
+    ``next_starts_at_once``: as ``small_m_linear``'s, for the one-row kernel."""
     k = x.shape[-1]
     fused = (
         supported(x, weight, bias)
@@ -306,7 +308,10 @@ def rms_norm_linear(
         return linear(normed, weight, bias, config), residual
     residual_out = x if residual is None else torch.empty_like(x)
     norm = (residual, norm_weight, eps, residual_out)
-    return small_m_linear(x, weight, bias, config, norm=norm), residual_out
+    out = small_m_linear(
+        x, weight, bias, config, norm=norm, next_starts_at_once=next_starts_at_once
+    )
+    return out, residual_out
 
 
 def small_m_linear(
@@ -316,9 +321,14 @@ def small_m_linear(
     config: LinearConfig | None = None,
     gated: bool = False,
     norm: tuple | None = None,  # (residual or None, norm weight, eps, residual out): one row
+    next_starts_at_once: bool = False,
 ) -> torch.Tensor:  # [..., N]
     """The kernel at any row count, with ``config`` or ``default_config``'s tiles; the
-    input computed on load as ``silu_and_mul_linear`` and ``rms_norm_linear`` describe."""
+    input computed on load as ``silu_and_mul_linear`` and ``rms_norm_linear`` describe.
+
+    ``next_starts_at_once``: let the next kernel launch as this one starts, not after its
+    main loop (``pdl.py``); for a kernel that has work to do before its wait (split-KV
+    attention at one request loads its first KV tile)."""
     *lead, width = x.shape
     k = width // 2 if gated else width
     n = weight.shape[0]
@@ -350,7 +360,10 @@ def small_m_linear(
         BLOCK_M=cfg.block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(x.device, starts_early=True, lets_next_start=False, after_loop=True),
+        **launch_options(
+            x.device, starts_early=True, lets_next_start=next_starts_at_once,
+            after_loop=not next_starts_at_once,
+        ),
     )  # fmt: skip
     if partial:
         _split_k_sum_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](

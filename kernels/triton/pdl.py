@@ -37,7 +37,10 @@ qkv linear or the q/k norm) and its merge up to 16 requests (at 64 they cost a
 step 0.19 ms).
 Only short kernels let the next one start at once: norms, SiLU, q/k norm and
 rotary, the merge, the split-K sum; the linears and split-KV attention do after
-their main loop. An L2 prefetch of a linear's first weight tiles before its wait,
+their main loop. One exception: the one-row qkv projection lets split-KV
+attention launch at once, since that kernel then loads its first KV tile before
+its wait (``decode_attention.py``: 0.04 ms a batch-1 step of 36 layers).
+An L2 prefetch of a linear's first weight tiles before its wait,
 or of the next linear's first tiles after its own loop, did not help (H200, a
 batch-1 step and 36-layer chains: 3.55-4.06 against 3.54 ms for the chain).
 

@@ -62,7 +62,8 @@ def test_flags_on_the_gpu(starts_early, lets_next_start, after_loop):
 
 def test_long_kernels_let_the_next_launch_after_their_loop(monkeypatch):
     """The linears, and split-KV attention up to ``PDL_MAX_BATCH`` requests, ask for
-    ``after_loop``; the merge lets the next kernel launch at its start."""
+    ``after_loop`` (a linear asked for ``next_starts_at_once``: the next launches at its
+    start); the merge lets the next kernel launch at its start."""
     from splitserve.kernels.triton import decode_attention as attention
     from splitserve.kernels.triton import linear
 
@@ -78,6 +79,9 @@ def test_long_kernels_let_the_next_launch_after_their_loop(monkeypatch):
     x, w = torch.randn(1, 64, device=dev), torch.randn(32, 64, device=dev)
     linear.small_m_linear(x, w)
     assert asked == [{"starts_early": True, "lets_next_start": False, "after_loop": True}]
+    asked.clear()  # the one-row qkv projection before split-KV attention (decoder.py)
+    linear.small_m_linear(x, w, next_starts_at_once=True)
+    assert asked == [{"starts_early": True, "lets_next_start": True, "after_loop": False}]
     for batch, early in ((2, True), (attention.PDL_MAX_BATCH + 1, False)):
         asked.clear()
         q = torch.randn(batch, 4, 16, device=dev)
@@ -118,7 +122,9 @@ def _decode_layers(
     from splitserve.kernels.triton.decode_attention import decode_attention
 
     for k_cache, v_cache in caches:
-        qkv, residual = ops.rms_norm_linear(x, residual, weights["ln1"], 1e-6, weights["qkv"])
+        qkv, residual = ops.rms_norm_linear(
+            x, residual, weights["ln1"], 1e-6, weights["qkv"], next_starts_at_once=fused_norm_rope
+        )  # as DecoderLayer: attention launches at once and loads its first KV tile
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
         q = q.view(-1, HEADS, HEAD_DIM)
         k, v = k.view(-1, KV_HEADS, HEAD_DIM), v.view(-1, KV_HEADS, HEAD_DIM)

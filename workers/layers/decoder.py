@@ -99,6 +99,10 @@ class DecoderLayer(nn.Module):
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.self_attn
-        qkv, residual = self.input_layernorm.project(hidden, residual, attn.qkv_proj)
+        # With q/k norm (inside attention) the attention kernel follows the projection;
+        # at one request it loads KV before its wait, so it may launch at once.
+        qkv, residual = self.input_layernorm.project(
+            hidden, residual, attn.qkv_proj, next_starts_at_once=attn.q_norm is not None
+        )
         hidden = attn.attend(positions, attn.qkv_proj.split(qkv), forward_batch)
         return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)

@@ -22,8 +22,15 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
     def project(
-        self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Module
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        proj: nn.Module,
+        next_starts_at_once: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(proj's matmul of norm(x + residual), x + residual)``; without ``residual``
-        of x, and x. ``proj`` is a ``Linear`` or ``MergedLinear``: its raw output."""
-        return rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+        of x, and x. ``proj`` is a ``Linear`` or ``MergedLinear``: its raw output.
+        ``next_starts_at_once``: see ``kernels.ops.rms_norm_linear``."""
+        return rms_norm_linear(
+            x, residual, self.weight, self.eps, proj.weight, proj.bias, next_starts_at_once
+        )
