@@ -5,7 +5,9 @@ greedy rows take the argmax; the other rows divide by temperature, apply top-k,
 top-p and min-p, and sample by an exponential race (``argmax(probs / q)``,
 ``q ~ Exp(1)``). A seeded request draws ``q`` from its own generator, one full
 vocabulary row per step, so its tokens do not depend on the rest of the batch.
-Logprobs always describe the raw model distribution.
+Logprobs always describe the raw model distribution. A batch of greedy rows
+without logprobs that no processor edits takes one argmax of the model's own
+logits: no float32 copy (a decode step's tail, ``docs/PERFORMANCE.md``).
 """
 
 from __future__ import annotations
