@@ -54,7 +54,7 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
         logits -= freq * out_counts + pres * (out_counts > 0)
 
 
-def edit_logits(requests: list[Request]) -> bool:
+def edits_logits(requests: list[Request]) -> bool:
     """Whether a processor here may change any of these rows (penalties, a min_tokens not
     yet reached, bad words); if not, the sampler can read the model's logits as they are."""
     return any(

@@ -23,7 +23,7 @@ from splitserve.workers.logits_processors import (
     BadWords,
     apply_min_tokens,
     apply_penalties,
-    edit_logits,
+    edits_logits,
 )
 
 
@@ -125,7 +125,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
         """Queue the sampling of one token per row; nothing here waits for the device."""
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
-        if not edit_logits(requests) and all(_plain_greedy(r) for r in requests):
+        if not edits_logits(requests) and all(_plain_greedy(r) for r in requests):
             # Nothing edits or reads the float32 logits: one argmax, no copies (an argmax of
             # the model's dtype picks what the float32 one picks, first index on ties).
             return SampledTokens(logits.argmax(dim=-1), requests, [])
