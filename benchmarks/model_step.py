@@ -161,7 +161,7 @@ class StepBench:
             steps, runner.kv_cache, runner.attn_backend, runner.device, plan=False
         )
         hidden = runner.forward(fb, use_graphs=use_graphs)
-        return runner.model.compute_logits(hidden[fb.logits_indices]).argmax(-1).tolist()
+        return runner.model.compute_logits(fb.sampled_hidden(hidden)).argmax(-1).tolist()
 
     def time_step(self, steps: list[StepRequest], use_graphs: bool, repeat: int) -> float:
         return time_cuda_ms(lambda: self.step(steps, use_graphs), warmup=3, repeat=repeat)
@@ -177,7 +177,7 @@ class StepBench:
 
         def forward() -> torch.Tensor:
             hidden = runner.forward(fb, use_graphs=use_graphs)
-            return runner.model.compute_logits(hidden[fb.logits_indices])
+            return runner.model.compute_logits(fb.sampled_hidden(hidden))
 
         return time_cuda_ms(forward, 3, repeat)
 

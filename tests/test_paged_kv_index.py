@@ -42,6 +42,19 @@ def test_packed_inputs_match_the_block_tables():
     assert fb.logits_indices.tolist() == [2, 3]
 
 
+def test_sampled_rows_are_a_view_when_consecutive():
+    cache = KVCache(KVCacheSpec(1, 1, 4, 4, torch.float32), 16, "cpu")
+    decode = [StepRequest([t], 5, [1, 2], sample=True) for t in (3, 4, 5)]
+    prefills = [StepRequest([1, 2, 3], 0, [1], sample=True), StepRequest([4, 5, 6], 0, [2], True)]
+    for steps, rows, view in ((decode, [0, 1, 2], True), (prefills, [2, 5], False)):
+        fb = build_forward_batch(steps, cache, TorchAttentionBackend(), "cpu", plan=False)
+        hidden = torch.randn(fb.num_tokens, 8)
+        sampled = fb.sampled_hidden(hidden)
+        assert fb.logits_indices.tolist() == rows
+        assert torch.equal(sampled, hidden[rows])
+        assert (sampled.data_ptr() == hidden[rows[0]].data_ptr()) == view  # no gather
+
+
 def _batch(steps, dtype=torch.bfloat16):
     cache = KVCache(KVCacheSpec(1, 1, 4, 16, dtype), 16, "cpu")
     return build_forward_batch(steps, cache, TorchAttentionBackend(), "cpu", plan=False)

@@ -47,6 +47,13 @@ class ForwardBatch:
     # Called with the layer id right after a layer's attention stored its KV (a prefill
     # worker streams each layer to the decode worker while later layers compute).
     on_layer_stored: Callable[[int], None] | None = None
+    # ``logits_indices`` as a slice when they are consecutive (every decode step), else None.
+    logits_rows: slice | None = None
+
+    def sampled_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows of ``hidden`` whose logits the step samples: a view when they are
+        consecutive, else gathered by ``logits_indices``."""
+        return hidden[self.logits_indices if self.logits_rows is None else self.logits_rows]
 
     @property
     def batch_size(self) -> int:

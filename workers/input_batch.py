@@ -76,6 +76,7 @@ def build_forward_batch(
         logits_indices=logits,
         kv_cache=kv_cache,
         attn_backend=attn_backend,
+        logits_rows=consecutive(logits_indices),
     )
     if plan:
         attn_backend.plan(fb)
@@ -88,6 +89,14 @@ def padded_block_tables(block_ids: list[list[int]], dtype=np.int64) -> np.ndarra
     for row, blocks in zip(tables, block_ids):
         row[: len(blocks)] = blocks
     return tables
+
+
+def consecutive(values: list[int]) -> slice | None:
+    """``values`` as a slice when they are consecutive integers, else None (also empty)."""
+    if not values:
+        return None
+    first, end = values[0], values[0] + len(values)
+    return slice(first, end) if values == list(range(first, end)) else None
 
 
 def to_device(values: list, device: torch.device | str, dtype=None) -> torch.Tensor:

@@ -13,7 +13,6 @@ again at the next step.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,7 +27,12 @@ from splitserve.workers.cuda_graphs.decode_runner import DecodeGraphRunner
 from splitserve.workers.cuda_graphs.owner import GraphOwner
 from splitserve.workers.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
 from splitserve.workers.forward_batch import ForwardBatch
-from splitserve.workers.input_batch import StepRequest, build_forward_batch, to_device
+from splitserve.workers.input_batch import (
+    StepRequest,
+    build_forward_batch,
+    consecutive,
+    to_device,
+)
 from splitserve.workers.kv_cache import KVCache
 from splitserve.workers.sampler import SampledTokens, Sampler, TokenLogprobs
 
@@ -145,7 +149,7 @@ class ModelRunner:
         _feed_pending_tokens(fb, steps, batch.requests, previous)
         fb.on_layer_stored = on_layer_stored
         hidden = self.forward(fb)
-        logits = self.model.compute_logits(_sampled_hidden(hidden, fb, steps))
+        logits = self.model.compute_logits(fb.sampled_hidden(hidden))
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         tokens = self.sampler.sample(logits, sampling) if sampling else None
         decode = fb.num_decode_tokens
@@ -235,30 +239,9 @@ def _feed_pending_tokens(
     if not rows:
         return
     tokens = previous.tokens.token_ids
-    dst, src = _as_slice(rows), _as_slice(sources)
+    dst, src = consecutive(rows), consecutive(sources)
     if dst is not None and src is not None:  # a steady decode: one copy, no index upload
         fb.input_ids[dst].copy_(tokens[src])
         return
     rows_t, sources_t = to_device([rows, sources], fb.input_ids.device)
     fb.input_ids[rows_t] = tokens[sources_t]
-
-
-def _sampled_hidden(
-    hidden: torch.Tensor, fb: ForwardBatch, steps: list[StepRequest]
-) -> torch.Tensor:
-    """The hidden rows whose logits the step samples: a view when they are consecutive
-    (every decode step), else gathered by ``fb.logits_indices``."""
-    ends = itertools.accumulate(len(s.new_token_ids) for s in steps)
-    rows = [end - 1 for s, end in zip(steps, ends) if s.sample]
-    consecutive = _as_slice(rows) if rows else None
-    return hidden[fb.logits_indices] if consecutive is None else hidden[consecutive]
-
-
-def _as_slice(values: list[int]) -> slice | None:
-    """``values`` as a slice if they are consecutive integers, else None."""
-    first = values[0]
-    return (
-        slice(first, first + len(values))
-        if values == list(range(first, first + len(values)))
-        else None
-    )
