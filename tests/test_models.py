@@ -335,3 +335,23 @@ def test_glm_mtp_forward_matches_reference(glm):
         assert rel_err(got, ref) < TOLERANCE
     logits = model.mtp_compute_logits(out)
     assert logits.dtype == torch.float32 and logits.shape == (fb.num_tokens, 512)
+
+
+def test_qkv_lets_attention_start_at_once_only_when_attention_follows_it():
+    """The one-row qkv projection lets the next kernel launch as it starts only when that
+    kernel is attention, which norms and rotates q/k itself (split-KV at one request)."""
+    from types import SimpleNamespace
+
+    from splitserve.workers.layers.decoder import RopeAttention
+    from splitserve.workers.layers.rotary_embedding import RotaryEmbedding
+
+    class Fusing(TorchAttentionBackend):
+        def fuses_norm_rope(self, forward_batch) -> bool:
+            return True
+
+    rope = RotaryEmbedding(16, 16, 32, torch.ones(8))
+    with_norm, without = (RopeAttention(0, 32, 2, 1, 16, rope, qk_norm=n) for n in (True, False))
+    fused, apart = (SimpleNamespace(attn_backend=b) for b in (Fusing(), TorchAttentionBackend()))
+    assert with_norm.attention_follows_qkv(fused)
+    assert not with_norm.attention_follows_qkv(apart)  # the q/k kernel comes between
+    assert not without.attention_follows_qkv(fused)  # the rotary kernel comes between

@@ -71,6 +71,12 @@ class RopeAttention(nn.Module):
         norm_rope = QKNormRope(positions, qw, kw, self.q_norm.eps, rope.cos, rope.sin)
         return self.o_proj(self.attn(q, k, v, forward_batch, norm_rope))
 
+    def attention_follows_qkv(self, forward_batch: ForwardBatch) -> bool:
+        """Whether the attention kernel is the qkv projection's next: the backend norms and
+        rotates q/k inside it. Then, at one request, split-KV attention loads KV before its
+        wait, and the projection lets it launch at once (``next_starts_at_once``)."""
+        return self.q_norm is not None and forward_batch.attn_backend.fuses_norm_rope(forward_batch)
+
 
 class DecoderLayer(nn.Module):
     """Pre-norm block; the residual stream travels beside the hidden state.
@@ -99,10 +105,9 @@ class DecoderLayer(nn.Module):
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn = self.self_attn
-        # With q/k norm (inside attention) the attention kernel follows the projection;
-        # at one request it loads KV before its wait, so it may launch at once.
+        early = attn.attention_follows_qkv(forward_batch)
         qkv, residual = self.input_layernorm.project(
-            hidden, residual, attn.qkv_proj, next_starts_at_once=attn.q_norm is not None
+            hidden, residual, attn.qkv_proj, next_starts_at_once=early
         )
         hidden = attn.attend(positions, attn.qkv_proj.split(qkv), forward_batch)
         return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
