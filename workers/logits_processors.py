@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.scheduler.request import Request
+from splitserve.scheduler.sampling_params import SamplingParams
 from splitserve.workers.input_batch import to_device
 
 
@@ -33,8 +34,8 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     ``logit -= frequency * count + presence * (count > 0)``.
     """
     params = [r.sampling_params for r in requests]
-    use_rep = [p.repetition_penalty != 1.0 for p in params]
-    use_fp = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
+    use_rep = [_repetition(p) for p in params]
+    use_fp = [_frequency_or_presence(p) for p in params]
     if not any(use_rep) and not any(use_fp):
         return
     vocab_size, device = logits.shape[1], logits.device
@@ -58,14 +59,22 @@ def edits_logits(requests: list[Request]) -> bool:
     """Whether a processor here may change any of these rows (penalties, a min_tokens not
     yet reached, bad words); if not, the sampler can read the model's logits as they are."""
     return any(
-        p.repetition_penalty != 1.0
-        or p.frequency_penalty != 0.0
-        or p.presence_penalty != 0.0
-        or r.num_output_tokens < p.min_tokens
-        or p.bad_words
+        _repetition(p) or _frequency_or_presence(p) or _min_tokens_pending(r) or p.bad_words
         for r in requests
         for p in (r.sampling_params,)
     )
+
+
+def _repetition(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0
+
+
+def _frequency_or_presence(p: SamplingParams) -> bool:
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _min_tokens_pending(r: Request) -> bool:
+    return r.num_output_tokens < r.sampling_params.min_tokens  # pending tokens count
 
 
 def _ban(logits: torch.Tensor, rows: list[int], cols: list[int]) -> None:
@@ -79,7 +88,7 @@ def apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> None:
     rows, cols = [], []
     for i, r in enumerate(requests):
         p = r.sampling_params
-        if r.num_output_tokens < p.min_tokens:  # pending tokens count
+        if _min_tokens_pending(r):
             banned = {t for t in (*r.eos_token_ids, *p.stop_token_ids) if t < logits.shape[1]}
             rows += [i] * len(banned)
             cols += banned
