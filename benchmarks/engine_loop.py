@@ -10,7 +10,10 @@ queued before step i's tokens are read back) and without:
 
 - decode at batch 1, 8 and 64 from 1k tokens of context: wall time per step over
   ``--steps`` steps, against the memory floor ``(weight bytes + KV bytes at the
-  steps' mean context) / copy bandwidth``;
+  steps' mean context) / copy bandwidth``. The prompts are prefilled in chunks of
+  the step's token budget, so the first requests are a few tokens ahead of the
+  last; the mean context is counted from the requests, and every request lasts
+  past the timed steps (the batch stays whole);
 - back-to-back 4096-token prompts (one a step, one token each): wall time per
   prompt, against the compute floor ``FLOPs / GEMM rate``.
 
@@ -57,6 +60,12 @@ from splitserve.workers.engine import LLMEngine  # noqa: E402
 from splitserve.workers.input_batch import build_forward_batch  # noqa: E402
 
 PREFILL_PROMPTS = 6
+WARMUP_STEPS = 3  # decode steps run before the timed ones
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class LoopBench:
@@ -83,24 +92,38 @@ class LoopBench:
     def run_steps(self, n: int) -> tuple[float, float]:
         """Wall and host milliseconds per step over ``n`` steps."""
         host = 0.0
-        torch.cuda.synchronize()
+        _synchronize()
         start = time.perf_counter()
         for _ in range(n):
             self.engine.step()
             host += self.engine.last_step.seconds
-        torch.cuda.synchronize()
+        _synchronize()
         return (time.perf_counter() - start) * 1e3 / n, host * 1e3 / n
 
-    def decode(self, batch: int, steps: int) -> tuple[float, float]:
-        """Per-step ms of ``steps`` decode steps of ``batch`` requests from CONTEXT tokens."""
+    def decode(self, batch: int, steps: int) -> tuple[float, float, float]:
+        """Per-step ms (wall, host) of ``steps`` decode steps of ``batch`` requests from
+        CONTEXT tokens, and the mean context a step read (tokens a request).
+
+        The prompts are prefilled in chunks, so the first requests decode while the last
+        ones are still prefilling. Every request may run past the timed steps, so the
+        batch stays whole through them (checked)."""
+        chunks = -(-batch * CONTEXT // self.engine.config.scheduler.max_num_batched_tokens)
         for _ in range(batch):
-            self.add(CONTEXT, max_tokens=steps + 8)
+            self.add(CONTEXT, max_tokens=chunks + WARMUP_STEPS + steps + 8)
         while any(not r.output_token_ids for r in self.engine.scheduler.requests.values()):
             self.engine.step()  # the prompts, then their first tokens
-        self.run_steps(3)  # warm-up
+        self.run_steps(WARMUP_STEPS)
+        before = self._contexts()
         wall, host = self.run_steps(steps)
+        after = self._contexts()
+        if len(after) != batch:
+            raise RuntimeError(f"{batch - len(after)} of {batch} requests ended while timed")
         self.drain()
-        return wall, host
+        return wall, host, (sum(before) + sum(after)) / 2 / batch
+
+    def _contexts(self) -> list[int]:
+        """The tokens of each unfinished request (its context at the next step)."""
+        return [r.num_tokens for r in self.engine.scheduler.requests.values()]
 
     def prefill(self, prompts: int) -> tuple[float, float]:
         """Per-prompt ms of ``prompts`` back-to-back PREFILL_TOKENS-token prompts."""
@@ -182,14 +205,17 @@ def main() -> None:
     if args.profile:
         profile_loops(bench)
     rows = []
-    mean_context = CONTEXT + 1 + args.steps / 2
     for batch in DECODE_BATCHES:
-        floor = (shape.weight_bytes + shape.kv_bytes(int(batch * mean_context))) / bandwidth / 1e6
-        measure = lambda b=batch: bench.decode(b, args.steps)  # noqa: E731
-        rows.append(_row(engine, f"decode b{batch}", floor, measure))
+
+        def measure(b=batch):
+            wall, host, context = bench.decode(b, args.steps)
+            kv = shape.kv_bytes(round(b * context))
+            return wall, host, (shape.weight_bytes + kv) / bandwidth / 1e6
+
+        rows.append(_row(engine, f"decode b{batch}", measure))
     floor = shape.prefill_flops(PREFILL_TOKENS) / gemm / 1e9
-    measure = lambda: bench.prefill(PREFILL_PROMPTS)  # noqa: E731
-    rows.append(_row(engine, f"prefill {PREFILL_TOKENS}", floor, measure))
+    prefill = lambda: (*bench.prefill(PREFILL_PROMPTS), floor)  # noqa: E731
+    rows.append(_row(engine, f"prefill {PREFILL_TOKENS}", prefill))
     print("\nEngine loop: ms per step (prefill: per prompt), async scheduling off / on")
     columns = ["step", "floor ms", "sync ms", "sync / floor", "sync host ms"]
     columns += ["async ms", "async / floor", "async host ms", "async speed-up"]
@@ -286,12 +312,14 @@ def profile_loops(bench: LoopBench) -> None:
         print_gaps(gpu_gaps(prof, top=12))
 
 
-def _row(engine: LLMEngine, name: str, floor_ms: float, measure) -> dict:
-    """``measure()`` with async scheduling off, then on (the same engine, idle between)."""
-    row = {"step": name, "floor_ms": round(floor_ms, 3)}
+def _row(engine: LLMEngine, name: str, measure) -> dict:
+    """``measure()`` (wall ms, host ms, floor ms) with async scheduling off, then on (the
+    same engine, idle between); the floor of the async run is the row's."""
+    row = {"step": name}
     for mode in ("sync", "async"):
         engine.async_scheduling = mode == "async"
-        wall, host = measure()
+        wall, host, floor_ms = measure()
+        row["floor_ms"] = round(floor_ms, 3)
         row[f"{mode}_ms"] = round(wall, 3)
         row[f"{mode}_ratio"] = round(wall / floor_ms, 3)
         row[f"{mode}_host_ms"] = round(host, 3)
