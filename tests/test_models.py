@@ -355,3 +355,16 @@ def test_qkv_lets_attention_start_at_once_only_when_attention_follows_it():
     assert with_norm.attention_follows_qkv(fused)
     assert not with_norm.attention_follows_qkv(apart)  # the q/k kernel comes between
     assert not without.attention_follows_qkv(fused)  # the rotary kernel comes between
+
+
+def test_lm_head_gives_logits_in_the_models_dtype():
+    """No float32 copy of the logits: a plain greedy batch takes their argmax as they are,
+    and the sampler casts them where it edits them (``sampler.py``)."""
+    from splitserve.workers.layers.embedding import LMHead
+
+    head = LMHead(vocab_size=11, hidden=8).to(torch.bfloat16)
+    torch.nn.init.normal_(head.weight)
+    hidden = torch.randn(3, 8, dtype=torch.bfloat16)
+    logits = head(hidden)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (3, 11)
+    assert torch.equal(logits, torch.nn.functional.linear(hidden, head.weight))

@@ -26,5 +26,7 @@ class LMHead(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[num_rows, vocab]`` (the matmul runs in the model's dtype)."""
-        return linear(hidden, self.weight).float()
+        """Logits ``[num_rows, vocab]`` in the model's dtype: the sampler casts them to
+        float32 where it edits or reads them, and a plain greedy batch takes their argmax
+        as they are (``sampler.py``)."""
+        return linear(hidden, self.weight)
