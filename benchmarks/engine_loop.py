@@ -105,8 +105,8 @@ class LoopBench:
         CONTEXT tokens, and the mean context a step read (tokens a request).
 
         The prompts are prefilled in chunks, so the first requests decode while the last
-        ones are still prefilling. Every request may run past the timed steps, so the
-        batch stays whole through them (checked)."""
+        ones are still prefilling. Every request is given tokens to last past the timed
+        steps, so the batch stays whole through them (checked)."""
         chunks = -(-batch * CONTEXT // self.engine.config.scheduler.max_num_batched_tokens)
         for _ in range(batch):
             self.add(CONTEXT, max_tokens=chunks + WARMUP_STEPS + steps + 8)
