@@ -230,3 +230,25 @@ def test_logprobs_describe_the_raw_distribution():
     assert out.logprobs[1] is None
     assert out.logprobs[2].top == []
     assert out.token_ids[2] != logits[2].argmax()  # the penalty moved the choice, not the logprob
+
+
+def test_model_dtype_logits_sample_and_score_as_their_float32_values():
+    """Logits arrive in the model's dtype: penalties, sampling and logprobs work on their
+    float32 values, and the logprobs come out in float32 (log_softmax in bfloat16 would
+    round them to about 3 digits)."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2)).bfloat16()
+
+    def requests():
+        return [
+            req(0, output=[3, 4], logprobs=3, temperature=0.7, seed=5, repetition_penalty=1.5),
+            req(1, temperature=0.0, frequency_penalty=1.0, output=[7]),
+            req(2, logprobs=2, temperature=0.0),
+        ]
+
+    got = Sampler(tiny_tokenizer())(logits, requests())
+    want = Sampler(tiny_tokenizer())(logits.float(), requests())
+    assert got.token_ids == want.token_ids
+    for i in (0, 2):
+        assert got.logprobs[i] == want.logprobs[i]
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    assert got.logprobs[2].logprob == raw[2].max().item()

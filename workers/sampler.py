@@ -129,8 +129,7 @@ class Sampler:
             # Nothing edits or reads the float32 logits: one argmax, no copies (an argmax of
             # the model's dtype picks what the float32 one picks, first index on ties).
             return SampledTokens(logits.argmax(dim=-1), requests, [])
-        raw = logits.float()
-        x = raw.clone()
+        x = logits.to(torch.float32, copy=True)  # the processors edit it; logits stay raw
         apply_penalties(x, requests)
         apply_min_tokens(x, requests)
         self.bad_words.apply(x, requests)
@@ -141,8 +140,8 @@ class Sampler:
             tokens[index] = self._sample(x[index], [requests[i] for i in rows])
         # A row with every token banned falls back to the unmasked argmax.
         dead = x.amax(dim=-1) == -torch.inf
-        tokens = torch.where(dead, raw.argmax(dim=-1), tokens)
-        return self._with_logprobs(raw, tokens, requests)
+        tokens = torch.where(dead, logits.argmax(dim=-1), tokens)
+        return self._with_logprobs(logits, tokens, requests)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
@@ -185,12 +184,13 @@ class Sampler:
     def _with_logprobs(
         raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]
     ) -> SampledTokens:
-        """The sampled rows' logprobs under the raw distribution, where asked for."""
+        """The sampled rows' logprobs under the raw distribution (in float32), where asked
+        for."""
         rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if not rows:
             return SampledTokens(tokens, requests, rows)
         index = to_device(rows, raw.device)
-        logprobs = torch.log_softmax(raw[index], dim=-1)
+        logprobs = torch.log_softmax(raw[index].float(), dim=-1)
         chosen = logprobs.gather(1, tokens[index, None])[:, 0]
         n = min(max(requests[i].sampling_params.logprobs for i in rows), raw.shape[1])
         top_values, top_ids = logprobs.topk(n, dim=-1)
