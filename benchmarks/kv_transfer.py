@@ -447,6 +447,7 @@ def _median_of(values):
 def record_timeline(
     sender,
     receiver,
+    layer_bytes: int,
     layers_per_message: int = 8,
     first: int = 1,
     posted_first: bool = False,
@@ -468,7 +469,6 @@ def record_timeline(
         ((side, w, b - start, e - start) for side, marks in spans.items() for w, b, e in marks),
         key=lambda row: row[2],
     )
-    layer_bytes = 2 * ray.get(receiver.num_tokens.remote("nccl")) * HEADS * DIM * DTYPE.itemsize
     plan = transfer_plan(LAYERS, layer_bytes, layers_per_message, first, max_bytes)
     plan = [n for _, n in plan]
     posted = ", receives posted first" if posted_first else ""
@@ -716,8 +716,11 @@ def main() -> None:
     timeline = None
     if args.timeline:
         first = args.first_message_layers
-        timeline = [record_timeline(sender, receiver, 8, f, False, max_bytes) for f in first]
-        timeline += [record_timeline(sender, receiver, 8, f, True, max_bytes) for f in first]
+        timeline = [
+            record_timeline(sender, receiver, layer_bytes, 8, f, posted, max_bytes)
+            for posted in (False, True)
+            for f in first
+        ]
     if args.cpu_tokens:
         cpu_bytes = LAYERS * 2 * args.cpu_tokens * HEADS * DIM * elem
         seconds, _, intact, _ = time_transport(sender, receiver, "cpu", "cpu", 1, max(3, r // 2))
