@@ -21,6 +21,8 @@ from types import ModuleType
 import torch
 
 from splitserve.kernels import activation, kv_store, moe_routing, rmsnorm, rotary
+from splitserve.kernels import argmax as greedy
+from splitserve.kernels import decode_inputs as staging
 from splitserve.kernels import fused_moe as moe
 from splitserve.kernels import linear as dense
 from splitserve.kernels import qk_norm_rope as norm_rope
@@ -175,4 +177,34 @@ def rms_norm_linear(
         return dense.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
     return _triton("linear").rms_norm_linear(
         x, residual, norm_weight, eps, weight, bias, next_starts_at_once=next_starts_at_once
+    )
+
+
+def argmax(
+    logits: torch.Tensor,  # [rows, vocab]
+    host_out: torch.Tensor | None = None,  # [rows] int64 on the host
+) -> torch.Tensor:  # [rows] int64
+    """Greedy tokens: each row's first largest index (NaN largest), also into
+    ``host_out`` where given. On CUDA one launch that stores the tokens into
+    ``host_out`` itself (page-locked memory the GPU maps): no copy to the host."""
+    kernels = _triton("argmax") if use_triton(logits) else greedy
+    return kernels.argmax(logits, host_out)
+
+
+def stage_decode_inputs(
+    staged: torch.Tensor,  # [n, STAGED_COLUMNS + width] int32 (page-locked on CUDA)
+    previous: torch.Tensor | None,  # [rows] int64: the tokens of the step in flight
+    input_ids: torch.Tensor,  # [size] int64, a decode graph's static buffers from here on
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor | None = None,  # [size] int32
+    block_tables: torch.Tensor | None = None,  # [size, >= width] int32
+    pad_seq_len: int = 1,
+) -> None:
+    """A decode step's packed rows and padding into a decode graph's static buffers
+    (``decode_inputs.py``); on CUDA one launch that reads the rows from mapped host
+    memory: no copy launches."""
+    kernels = _triton("decode_inputs") if use_triton(input_ids) else staging
+    kernels.stage_decode_inputs(
+        staged, previous, input_ids, positions, slot_mapping, seq_lens, block_tables, pad_seq_len
     )

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from splitserve import LLM, SamplingParams
+from splitserve.scheduler.request import PLACEHOLDER
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
 from splitserve.workers.forward_batch import Phase
 from splitserve.workers.input_batch import StepRequest, build_forward_batch
@@ -136,12 +137,21 @@ class ManualSteps:
         ]
 
     @torch.no_grad()
-    def hidden(self, chunks, num_computed, rows=None) -> tuple[torch.Tensor, object]:
+    def hidden(
+        self, chunks, num_computed, rows=None, host_rows: bool = False
+    ) -> tuple[torch.Tensor, object]:
+        """The step's hidden states; ``host_rows``: a decode step through the decode graph
+        runner's ``replay_steps`` (as the engine runs it), else built on the device."""
         rows = rows if rows is not None else range(len(chunks))
         steps = [
             StepRequest(chunks[i], num_computed[i], self.tables[r], sample=True)
             for i, r in enumerate(rows)
         ]
+        if host_rows:
+            graphs = self.runner.decode_graphs
+            assert graphs.can_run_steps(steps)
+            self.runner.capture_graphs()
+            return graphs.replay_steps(steps, [-1] * len(steps), None)
         fb = build_forward_batch(
             steps, self.runner.kv_cache, self.runner.attn_backend, "cuda", plan=False
         )
@@ -185,15 +195,17 @@ def test_graph_logits_match_transformers(family, dtype):
         assert _rel_err(ours, ref) < tolerance, (_rel_err(ours, ref), tolerance)
 
 
-def test_padded_replay_touches_only_real_slots(tmp_path):
-    """Batch 4 then batch 3 at the same size: the padded row must not reuse row 3's KV."""
+@pytest.mark.parametrize("host_rows", [False, True])
+def test_padded_replay_touches_only_real_slots(tmp_path, host_rows):
+    """Batch 4 then batch 3 at the same size: the padded row must not reuse row 3's KV.
+    ``host_rows``: the inputs staged from the host by one kernel, as in the engine."""
     path = checkpoints.write_qwen3(tmp_path, head_dim=128)
     llm = _llm(path, "bfloat16", graphs=True)
     steps = ManualSteps(llm, 4)
     prompts = _prompts(seed=3)[:4]
     steps.hidden(prompts, [0] * 4)
     lens = [len(p) for p in prompts]
-    steps.hidden([[1]] * 4, lens)  # decode graph of 4 rows
+    steps.hidden([[1]] * 4, lens, host_rows=host_rows)  # decode graph of 4 rows
     lens = [n + 1 for n in lens]
     cache = steps.engine.kv_cache
     live = {b for table in steps.tables[:3] for b in table}
@@ -203,10 +215,10 @@ def test_padded_replay_touches_only_real_slots(tmp_path):
                 if block not in live:
                     t[block] = float("nan")  # row 3's pages too: it is gone now
     before = [t.clone() for layer in range(cache.spec.num_layers) for t in cache.layer(layer)]
-    hidden, fb = steps.hidden([[2]] * 3, lens[:3], rows=range(3))
-    assert fb.phase == Phase.DECODE
+    hidden, fb = steps.hidden([[2]] * 3, lens[:3], rows=range(3), host_rows=host_rows)
+    assert fb.phase == Phase.DECODE and fb.num_tokens == 3
     runner = steps.runner.graphs.runner_for(fb)
-    assert runner is not None and runner.name == "decode"
+    assert runner is steps.runner.decode_graphs
     _, padded_hidden, _ = runner._graphs[4]
     assert torch.isfinite(padded_hidden).all(), "a padded row read a poisoned page"
     assert torch.isfinite(hidden).all()
@@ -218,6 +230,27 @@ def test_padded_replay_touches_only_real_slots(tmp_path):
         changed = ~((old == new) | (old.isnan() & new.isnan())).all(-1).all(-1)
         assert set(changed.nonzero().flatten().tolist()) <= written
         assert not new[:block_size].any(), "the null page was written"
+
+
+def test_host_rows_replay_as_the_device_batch_does(tmp_path):
+    """The engine's decode path (rows staged from the host, tokens in flight taken from
+    the previous step's tokens on the device) gives the hidden states of the batch built
+    on the device, bitwise."""
+    path = checkpoints.write_qwen3(tmp_path, head_dim=128)
+    llm = _llm(path, "bfloat16", graphs=True)
+    steps = ManualSteps(llm, 3)
+    prompts = _prompts(seed=5)[:3]
+    steps.hidden(prompts, [0] * 3)
+    lens = [len(p) for p in prompts]
+    want = steps.hidden([[7], [8], [9]], lens)[0].clone()
+    assert torch.equal(steps.hidden([[7], [8], [9]], lens, host_rows=True)[0], want)
+    in_flight = [
+        StepRequest([PLACEHOLDER], n, table, sample=True) for n, table in zip(lens, steps.tables)
+    ]
+    previous = torch.tensor([9, 7, 8], device="cuda")  # the rows of a step in flight
+    got, fb = steps.runner.decode_graphs.replay_steps(in_flight, [1, 2, 0], previous)
+    assert torch.equal(got, want)
+    assert fb.input_ids.tolist() == [7, 8, 9]
 
 
 def test_weight_update_drops_graphs(tmp_path):

@@ -88,6 +88,24 @@ def test_plain_greedy_rows_pick_what_the_full_path_picks():
     assert Sampler(tiny_tokenizer())(logits, with_logprobs).token_ids == first_best
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plain_greedy_on_cuda_stores_its_tokens_in_a_page_locked_slot():
+    logits = torch.randint(-3, 4, (8, 50), generator=torch.Generator().manual_seed(1)).bfloat16()
+    first_best = [row.index(max(row)) for row in logits.float().tolist()]
+    sampler = Sampler(tiny_tokenizer())
+    plain = [req(i, temperature=0.0) for i in range(8)]
+    sampled = sampler.sample(logits.cuda(), plain)
+    assert sampled._host_tokens is not None  # no copy to the host queued for the tokens
+    assert sampled.result().token_ids == first_best
+    assert sampled.token_ids.tolist() == first_best  # on the device for the next step
+    late = sampler.sample(logits.cuda(), plain)
+    for _ in range(4):  # the ring comes round to ``late``'s slot
+        sampler.sample(logits.cuda(), plain).result()
+    with pytest.raises(RuntimeError, match="overwritten"):
+        late.result()
+
+
 def test_penalties_follow_the_formulas():
     # token 0 in the prompt, token 1 once and token 3 twice in the output.
     r = req(

@@ -90,6 +90,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs: GraphOwner | None = None
+        self.decode_graphs: DecodeGraphRunner | None = None  # also registered with graphs
         if graph_limits is not None and device.type == "cuda":
             self.graphs = self._graph_owner(graph_limits)
         self._param_shapes: dict[str, torch.Size] = {}
@@ -102,16 +103,10 @@ class ModelRunner:
             n for n in config.decode_capture_sizes(limits.max_num_seqs) if n <= limits.max_num_seqs
         ]
         if decode_sizes and self.attn_backend.supports_decode_graphs(decode_sizes[-1], max_blocks):
-            owner.register(
-                DecodeGraphRunner(
-                    self.model,
-                    self.attn_backend,
-                    self.kv_cache,
-                    decode_sizes,
-                    max_blocks,
-                    self.device,
-                )
+            self.decode_graphs = DecodeGraphRunner(
+                self.model, self.attn_backend, self.kv_cache, decode_sizes, max_blocks, self.device
             )
+            owner.register(self.decode_graphs)
         prefill_sizes = [n for n in config.prefill_sizes if n <= limits.max_num_batched_tokens]
         if config.piecewise and prefill_sizes:
             owner.register(
@@ -142,13 +137,24 @@ class ModelRunner:
         """Queue one step on the device: inputs, forward, logits, sampling; wait for nothing.
 
         A request's pending token (``PLACEHOLDER``, sampled by ``previous``, still
-        in flight) is fed from ``previous``'s tokens on the device.
+        in flight) is fed from ``previous``'s tokens on the device. A decode step that
+        a graph holds goes to the graph runner as host rows (``replay_steps``: no
+        copies); any other is built on the device first.
         """
         steps = [_step_request(r, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)]
-        fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, self.device, plan=False)
-        _feed_pending_tokens(fb, steps, batch.requests, previous)
-        fb.on_layer_stored = on_layer_stored
-        hidden = self.forward(fb)
+        graphs = self.decode_graphs
+        if graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps):
+            self.capture_graphs()
+            sources = _pending_sources(steps, batch.requests, previous)
+            tokens = previous.tokens.token_ids if previous and previous.tokens else None
+            hidden, fb = graphs.replay_steps(steps, sources, tokens)
+        else:
+            fb = build_forward_batch(
+                steps, self.kv_cache, self.attn_backend, self.device, plan=False
+            )
+            _feed_pending_tokens(fb, steps, batch.requests, previous)
+            fb.on_layer_stored = on_layer_stored
+            hidden = self.forward(fb)
         logits = self.model.compute_logits(fb.sampled_hidden(hidden))
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         tokens = self.sampler.sample(logits, sampling) if sampling else None
@@ -214,28 +220,38 @@ def _step_request(request: Request, num_tokens: int) -> StepRequest:
     )
 
 
+def _pending_sources(
+    steps: list[StepRequest], requests: list[Request], previous: LaunchedStep | None
+) -> list[int]:
+    """For each request, the row of ``previous``'s tokens that holds its pending token
+    (``PLACEHOLDER``, in flight), or -1. A pending token is always its request's last
+    token, so only a step's last input can be one."""
+    sources = []
+    for step, request in zip(steps, requests):
+        if step.new_token_ids[-1] != PLACEHOLDER:
+            sources.append(-1)
+            continue
+        if previous is None or previous.tokens is None:
+            raise RuntimeError(
+                f"request {request.request_id!r} has a pending token but no step in flight"
+            )
+        sources.append(previous.row_of(request.request_id))
+    return sources
+
+
 def _feed_pending_tokens(
     fb: ForwardBatch,
     steps: list[StepRequest],
     requests: list[Request],
     previous: LaunchedStep | None,
 ) -> None:
-    """Write the in-flight tokens of the previous step into ``fb.input_ids`` on the device.
-
-    A pending token is always its request's last token, so only a step's last
-    input can be one.
-    """
+    """Write the in-flight tokens of the previous step into ``fb.input_ids`` on the device."""
     rows, sources, end = [], [], 0
-    for step, request in zip(steps, requests):
+    for step, source in zip(steps, _pending_sources(steps, requests, previous)):
         end += len(step.new_token_ids)
-        if step.new_token_ids[-1] != PLACEHOLDER:
-            continue
-        if previous is None or previous.tokens is None:
-            raise RuntimeError(
-                f"request {request.request_id!r} has a pending token but no step in flight"
-            )
-        rows.append(end - 1)
-        sources.append(previous.row_of(request.request_id))
+        if source >= 0:
+            rows.append(end - 1)
+            sources.append(source)
     if not rows:
         return
     tokens = previous.tokens.token_ids

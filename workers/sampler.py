@@ -7,7 +7,9 @@ top-p and min-p, and sample by an exponential race (``argmax(probs / q)``,
 vocabulary row per step, so its tokens do not depend on the rest of the batch.
 Logprobs always describe the raw model distribution. A batch of greedy rows
 without logprobs that no processor edits takes one argmax of the model's own
-logits: no float32 copy (a decode step's tail, ``docs/PERFORMANCE.md``).
+logits: no float32 copy, and on CUDA one launch (``ops.argmax``) that also
+stores the tokens into page-locked host memory, so no copy to the host follows
+(a decode step's tail, ``docs/PERFORMANCE.md``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from splitserve.kernels import ops
 from splitserve.scheduler.request import Request
 from splitserve.workers.input_batch import to_device
 from splitserve.workers.logits_processors import (
@@ -25,6 +28,7 @@ from splitserve.workers.logits_processors import (
     apply_penalties,
     edits_logits,
 )
+from splitserve.workers.pinned_ring import PinnedRing, PinnedSlot
 
 
 @dataclass
@@ -74,7 +78,8 @@ class SampledTokens:
 
     The copies are queued without waiting; ``result`` waits for them. Until then
     the host is free to prepare the next step, which reads ``token_ids`` on the
-    device.
+    device. ``host_tokens``: a page-locked slot that the sampling kernel fills
+    with the tokens itself, so they need no copy.
     """
 
     def __init__(
@@ -85,22 +90,27 @@ class SampledTokens:
         chosen: torch.Tensor | None = None,
         top_values: torch.Tensor | None = None,
         top_ids: torch.Tensor | None = None,
+        host_tokens: PinnedSlot | None = None,
     ) -> None:
         self.token_ids = token_ids  # [B] int64 on the device
         self._requests = requests
         self._logprob_rows = logprob_rows
-        tensors = [t for t in (token_ids, chosen, top_values, top_ids) if t is not None]
+        self._host_tokens = host_tokens
+        copied = token_ids if host_tokens is None else None
+        tensors = [t for t in (copied, chosen, top_values, top_ids) if t is not None]
         self._ready: torch.cuda.Event | None = None
         if token_ids.is_cuda:
             tensors = [t.to("cpu", non_blocking=True) for t in tensors]
             self._ready = torch.cuda.Event()
             self._ready.record()
-        self._host = tensors
+        self._host = tensors if host_tokens is None else [host_tokens.tensor, *tensors]
 
     def result(self) -> SamplerOutput:
         """Wait for the copies; the tokens and logprobs as host values."""
         if self._ready is not None:
             self._ready.synchronize()
+        if self._host_tokens is not None:
+            self._host_tokens.check()
         token_ids = self._host[0].tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         if self._logprob_rows:
@@ -118,6 +128,7 @@ class Sampler:
         self.bad_words = BadWords(tokenizer)
         self._generator: torch.Generator | None = None  # for unseeded rows
         self._request_generators: dict[str, torch.Generator] = {}
+        self._host_tokens: PinnedRing | None = None  # on CUDA: where the argmax stores tokens
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample(logits, requests).result()
@@ -128,7 +139,7 @@ class Sampler:
         if not edits_logits(requests) and all(_plain_greedy(r) for r in requests):
             # Nothing edits or reads the float32 logits: one argmax, no copies (an argmax of
             # the model's dtype picks what the float32 one picks, first index on ties).
-            return SampledTokens(logits.argmax(dim=-1), requests, [])
+            return self._greedy(logits, requests)
         x = logits.to(torch.float32, copy=True)  # the processors edit it; logits stay raw
         apply_penalties(x, requests)
         apply_min_tokens(x, requests)
@@ -142,6 +153,17 @@ class Sampler:
         dead = x.amax(dim=-1) == -torch.inf
         tokens = torch.where(dead, logits.argmax(dim=-1), tokens)
         return self._with_logprobs(logits, tokens, requests)
+
+    def _greedy(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        """The argmax of each row; on CUDA stored into a page-locked slot by the kernel."""
+        if not logits.is_cuda:
+            return SampledTokens(ops.argmax(logits), requests, [])
+        if self._host_tokens is None:
+            self._host_tokens = PinnedRing(torch.int64)
+        slot = self._host_tokens.take(logits.shape[0])
+        tokens = ops.argmax(logits, slot.tensor)
+        slot.queued()
+        return SampledTokens(tokens, requests, [], host_tokens=slot)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]

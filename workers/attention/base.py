@@ -90,5 +90,11 @@ class AttentionBackend(ABC):
     def prepare_replay(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot run in CUDA graphs")
 
+    def graph_reads_batch_index(self, num_tokens: int, forward_batch: ForwardBatch) -> bool:
+        """Whether a decode graph of this size reads the batch's own index, its block
+        tables and lengths (the runner's static buffers), and has nothing else to prepare:
+        the runner then writes them itself and skips ``prepare_replay``."""
+        return False
+
     def clear_graphs(self) -> None:
         """Drop every per-graph buffer and plan (the graph owner is clearing its graphs)."""

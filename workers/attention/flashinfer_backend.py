@@ -316,6 +316,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._plan_decode(wrapper, PagedKVIndex.of(forward_batch), forward_batch.kv_cache)
         forward_batch.attn_metadata = FlashInferMetadata(wrapper)
 
+    def graph_reads_batch_index(self, num_tokens: int, forward_batch: ForwardBatch) -> bool:
+        return self._split_kv(forward_batch, num_tokens)
+
     def clear_graphs(self) -> None:
         self.graph_wrappers = {}
         self._graph_buffers = {}

@@ -11,19 +11,31 @@ them); padded requests get sequence length 1 over block 0, the null page,
 which stays zero, so they never read or write a live request's KV. The
 attention backend re-plans its index buffers for the padded batch, and the
 output is trimmed to the real tokens.
+
+The engine's decode steps take ``replay_steps``: the step's requests are packed
+on the host into a page-locked slot, and one kernel (``ops.stage_decode_inputs``)
+writes every static input from it, the padding and the previous step's
+in-flight tokens included, and the block tables and lengths where the backend's
+graph reads them (``graph_reads_batch_index``). So no copy is launched between
+two replays. ``forward`` (a batch already on the device) copies its tensors in.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from torch import nn
 
+from splitserve.kernels import ops
+from splitserve.kernels.decode_inputs import POSITION, SEQ_LEN, SLOT, SOURCE, STAGED_COLUMNS, TOKEN
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner, bucket
 from splitserve.workers.forward_batch import ForwardBatch, Phase
+from splitserve.workers.input_batch import StepRequest
 from splitserve.workers.kv_cache import NULL_BLOCK, KVCache
+from splitserve.workers.pinned_ring import PinnedRing
 
 PAD_SEQ_LEN = 1  # a padded request attends one zero key of the null page
 
@@ -49,6 +61,9 @@ class DecodeGraphRunner:
         self.device = device
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch]] = {}
         self._buffers: dict[str, torch.Tensor] = {}
+        self._staging = PinnedRing(torch.int32)  # replay_steps' packed rows
+        # Staged rows are int32: every slot of the cache must fit.
+        self._stages_slots = kv_cache.num_blocks * kv_cache.block_size < 2**31
 
     def capture_sizes(self) -> list[int]:
         return self.sizes[::-1]
@@ -111,7 +126,83 @@ class DecodeGraphRunner:
             hidden = self.model(fb.input_ids, fb.positions, fb)
         self._graphs[size] = (graph, hidden, fb)
 
+    def can_run_steps(self, steps: list[StepRequest]) -> bool:
+        """Whether ``replay_steps`` runs these requests: each decodes one token and
+        samples it, and they fit the largest size."""
+        return (
+            self._stages_slots
+            and 0 < len(steps) <= self.sizes[-1]
+            and all(len(s.new_token_ids) == 1 and s.num_computed > 0 and s.sample for s in steps)
+        )
+
     # -- replay ----------------------------------------------------------------
+
+    def replay_steps(
+        self,
+        steps: list[StepRequest],
+        sources: list[int],
+        previous: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ForwardBatch]:
+        """Replay for ``can_run_steps``' requests; their hidden states and batch.
+
+        ``sources[i] >= 0``: request ``i``'s token is row ``sources[i]`` of
+        ``previous``, the tokens of the step still in flight."""
+        n, b = len(steps), self._buffers
+        size = bucket(self.sizes, n)
+        graph, hidden, static = self._graphs[size]
+        seq_lens = [s.num_computed + 1 for s in steps]
+        block_ids = [s.block_ids for s in steps]
+        padded = dataclasses.replace(
+            static,
+            seq_lens=seq_lens + [PAD_SEQ_LEN] * (size - n),
+            block_ids=block_ids + [[NULL_BLOCK]] * (size - n),
+        )
+        index = self.attn_backend.graph_reads_batch_index(size, padded)
+        slot = self._stage(steps, sources)
+        ops.stage_decode_inputs(
+            slot.tensor.view(n, -1), previous if any(i >= 0 for i in sources) else None,
+            b["input_ids"][:size], b["positions"][:size], b["slot_mapping"][:size],
+            b["seq_lens"][:size] if index else None, b["block_tables"][:size] if index else None,
+            pad_seq_len=PAD_SEQ_LEN,
+        )  # fmt: skip
+        slot.queued()
+        if not index:
+            self.attn_backend.prepare_replay(size, padded)
+        graph.replay()
+        fb = dataclasses.replace(
+            static,
+            input_ids=b["input_ids"][:n],
+            positions=b["positions"][:n],
+            query_lens=[1] * n,
+            seq_lens=seq_lens,
+            query_start_loc=b["query_start_loc"][: n + 1],
+            seq_lens_tensor=b["seq_lens"][:n],
+            block_tables=b["block_tables"][:n],
+            block_ids=block_ids,
+            slot_mapping=b["slot_mapping"][:n],
+            logits_indices=b["logits_indices"][:n],
+            logits_rows=slice(0, n),
+        )
+        return hidden[:n], fb
+
+    def _stage(self, steps: list[StepRequest], sources: list[int]):
+        """The steps' rows (``kernels/decode_inputs.py``) in a page-locked slot."""
+        n, block_size = len(steps), self.kv_cache.block_size
+        width = max(len(s.block_ids) for s in steps)
+        slot = self._staging.take(n * (STAGED_COLUMNS + width))
+        rows = slot.tensor.numpy().reshape(n, STAGED_COLUMNS + width)
+        positions = np.fromiter((s.num_computed for s in steps), dtype=np.int64, count=n)
+        tables = rows[:, STAGED_COLUMNS:]
+        tables.fill(NULL_BLOCK)
+        for row, s in zip(tables, steps):
+            row[: len(s.block_ids)] = s.block_ids
+        blocks = tables[np.arange(n), positions // block_size].astype(np.int64)
+        rows[:, TOKEN] = [max(s.new_token_ids[0], 0) for s in steps]  # a pending one: 0
+        rows[:, SOURCE] = sources
+        rows[:, POSITION] = positions
+        rows[:, SLOT] = blocks * block_size + positions % block_size
+        rows[:, SEQ_LEN] = positions + 1
+        return slot
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         fb = forward_batch
