@@ -146,8 +146,8 @@ class ModelRunner:
         if graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps):
             self.capture_graphs()
             sources = _pending_sources(steps, batch.requests, previous)
-            tokens = previous.tokens.token_ids if previous and previous.tokens else None
-            hidden, fb = graphs.replay_steps(steps, sources, tokens)
+            in_flight = previous.tokens.token_ids if previous and previous.tokens else None
+            hidden, fb = graphs.replay_steps(steps, sources, in_flight)
         else:
             fb = build_forward_batch(
                 steps, self.kv_cache, self.attn_backend, self.device, plan=False

@@ -46,8 +46,8 @@ def _argmax_kernel(
     PDL: tl.constexpr,
 ):
     wait_previous_kernel(PDL)
-    row = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(
         logits_ptr + row.to(tl.int64) * stride_row + offs, mask=offs < vocab, other=float("-inf")
     ).to(tl.float32)
@@ -58,7 +58,7 @@ def _argmax_kernel(
     keys = order * half + (2147483647 - offs)  # the index counted down: first wins ties
     tl.atomic_max(keys_ptr + row, tl.max(keys, axis=0))
     # acq_rel: the row's last program to count in sees every program's max
-    if tl.atomic_add(counts_ptr + row, 1) == tl.num_programs(0) - 1:
+    if tl.atomic_add(counts_ptr + row, 1) == tl.num_programs(1) - 1:
         best = tl.atomic_xchg(keys_ptr + row, -1)  # EMPTY again
         token = 2147483647 - (best & 2147483647)
         tl.store(tokens_ptr + row, token)
@@ -104,7 +104,7 @@ def argmax(logits: torch.Tensor, host_out: torch.Tensor | None = None) -> torch.
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     scratch = _Scratch.of(logits.device, rows)
-    _argmax_kernel[(triton.cdiv(vocab, BLOCK), rows)](
+    _argmax_kernel[(rows, triton.cdiv(vocab, BLOCK))](
         logits, logits.stride(0), vocab, scratch.keys, scratch.counts, tokens,
         tokens if host_out is None else host_out, HAS_HOST=host_out is not None,
         BLOCK=BLOCK, num_warps=4,

@@ -53,8 +53,9 @@ def test_argmax_resets_its_scratch():
 
 def test_argmax_orders_special_values_as_torch():
     x = torch.full((4, 5000), float("-inf"), device=DEVICE)
-    x[1, 4000] = float("nan")  # NaN beats +inf, the first NaN wins
-    x[1, 10] = float("nan")
+    x[1, 4000] = float("nan")  # NaN beats +inf, the first NaN wins, whatever its sign
+    x[1, 10] = -torch.tensor(float("nan"))
+    assert x[1, 10].view(torch.int32) < 0  # the sign bit is set
     x[1, 3] = float("inf")
     x[2] = 0.0
     x[2, :5] = -0.0  # -0.0 ties 0.0: index 0

@@ -35,7 +35,7 @@ from splitserve.workers.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner,
 from splitserve.workers.forward_batch import ForwardBatch, Phase
 from splitserve.workers.input_batch import StepRequest
 from splitserve.workers.kv_cache import NULL_BLOCK, KVCache
-from splitserve.workers.pinned_ring import PinnedRing
+from splitserve.workers.pinned_ring import PinnedRing, PinnedSlot
 
 PAD_SEQ_LEN = 1  # a padded request attends one zero key of the null page
 
@@ -185,7 +185,7 @@ class DecodeGraphRunner:
         )
         return hidden[:n], fb
 
-    def _stage(self, steps: list[StepRequest], sources: list[int]):
+    def _stage(self, steps: list[StepRequest], sources: list[int]) -> PinnedSlot:
         """The steps' rows (``kernels/decode_inputs.py``) in a page-locked slot."""
         n, block_size = len(steps), self.kv_cache.block_size
         width = max(len(s.block_ids) for s in steps)
