@@ -11,6 +11,7 @@ timeout 200 python benchmarks/warm_flashinfer.py >"$out/warm_flashinfer.log" 2>&
 if [[ $what == tests || $what == all ]]; then
   timeout 420 python -m pytest -q -m gpu -p no:cacheprovider -rf \
     tests/test_cuda_graphs.py tests/test_layers_gpu.py tests/kernels \
+    tests/test_pinned_ring.py tests/test_sampler.py \
     >"$out/gpu_tests.log" 2>&1
   tail -40 "$out/gpu_tests.log"
 fi

@@ -195,16 +195,21 @@ def test_graph_logits_match_transformers(family, dtype):
         assert _rel_err(ours, ref) < tolerance, (_rel_err(ours, ref), tolerance)
 
 
+def _prefilled(tmp_path, num_requests: int, seed: int) -> tuple[ManualSteps, list[int]]:
+    """A bf16 head_dim-128 Qwen3 with graphs, ``num_requests`` prompts prefilled; their
+    lengths."""
+    llm = _llm(checkpoints.write_qwen3(tmp_path, head_dim=128), "bfloat16", graphs=True)
+    steps = ManualSteps(llm, num_requests)
+    prompts = _prompts(seed=seed)[:num_requests]
+    steps.hidden(prompts, [0] * num_requests)
+    return steps, [len(p) for p in prompts]
+
+
 @pytest.mark.parametrize("host_rows", [False, True])
 def test_padded_replay_touches_only_real_slots(tmp_path, host_rows):
     """Batch 4 then batch 3 at the same size: the padded row must not reuse row 3's KV.
     ``host_rows``: the inputs staged from the host by one kernel, as in the engine."""
-    path = checkpoints.write_qwen3(tmp_path, head_dim=128)
-    llm = _llm(path, "bfloat16", graphs=True)
-    steps = ManualSteps(llm, 4)
-    prompts = _prompts(seed=3)[:4]
-    steps.hidden(prompts, [0] * 4)
-    lens = [len(p) for p in prompts]
+    steps, lens = _prefilled(tmp_path, 4, seed=3)
     steps.hidden([[1]] * 4, lens, host_rows=host_rows)  # decode graph of 4 rows
     lens = [n + 1 for n in lens]
     cache = steps.engine.kv_cache
@@ -236,12 +241,7 @@ def test_host_rows_replay_as_the_device_batch_does(tmp_path):
     """The engine's decode path (rows staged from the host, tokens in flight taken from
     the previous step's tokens on the device) gives the hidden states of the batch built
     on the device, bitwise."""
-    path = checkpoints.write_qwen3(tmp_path, head_dim=128)
-    llm = _llm(path, "bfloat16", graphs=True)
-    steps = ManualSteps(llm, 3)
-    prompts = _prompts(seed=5)[:3]
-    steps.hidden(prompts, [0] * 3)
-    lens = [len(p) for p in prompts]
+    steps, lens = _prefilled(tmp_path, 3, seed=5)
     want = steps.hidden([[7], [8], [9]], lens)[0].clone()
     assert torch.equal(steps.hidden([[7], [8], [9]], lens, host_rows=True)[0], want)
     in_flight = [

@@ -29,11 +29,13 @@ class PinnedSlot:
         self._generation = ring._generations[index]
         self.tensor = tensor
 
-    def queued(self) -> None:
-        """The device work that uses the slot is queued (on the current stream): the
-        slot is not handed out again before that work has run."""
-        event = torch.cuda.Event()
-        event.record()
+    def queued(self, event: torch.cuda.Event | None = None) -> None:
+        """The device work that uses the slot is queued: the slot is not handed out again
+        before ``event`` (recorded after that work; by default here, on the current
+        stream) has passed."""
+        if event is None:
+            event = torch.cuda.Event()
+            event.record()
         self._ring._events[self._index] = event
 
     def check(self) -> None:

@@ -79,7 +79,8 @@ class SampledTokens:
     The copies are queued without waiting; ``result`` waits for them. Until then
     the host is free to prepare the next step, which reads ``token_ids`` on the
     device. ``host_tokens``: a page-locked slot that the sampling kernel fills
-    with the tokens itself, so they need no copy.
+    with the tokens itself, so they need no copy; it is handed out again once the
+    step's ``ready`` event has passed.
     """
 
     def __init__(
@@ -103,7 +104,10 @@ class SampledTokens:
             tensors = [t.to("cpu", non_blocking=True) for t in tensors]
             self._ready = torch.cuda.Event()
             self._ready.record()
-        self._host = tensors if host_tokens is None else [host_tokens.tensor, *tensors]
+        if host_tokens is not None:
+            host_tokens.queued(self._ready)
+            tensors = [host_tokens.tensor, *tensors]
+        self._host = tensors
 
     def result(self) -> SamplerOutput:
         """Wait for the copies; the tokens and logprobs as host values."""
@@ -161,9 +165,7 @@ class Sampler:
         if self._host_tokens is None:
             self._host_tokens = PinnedRing(torch.int64)
         slot = self._host_tokens.take(logits.shape[0])
-        tokens = ops.argmax(logits, slot.tensor)
-        slot.queued()
-        return SampledTokens(tokens, requests, [], host_tokens=slot)
+        return SampledTokens(ops.argmax(logits, slot.tensor), requests, [], host_tokens=slot)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]

@@ -33,7 +33,7 @@ from splitserve.kernels.decode_inputs import POSITION, SEQ_LEN, SLOT, SOURCE, ST
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner, bucket
 from splitserve.workers.forward_batch import ForwardBatch, Phase
-from splitserve.workers.input_batch import StepRequest
+from splitserve.workers.input_batch import StepRequest, padded_block_tables
 from splitserve.workers.kv_cache import NULL_BLOCK, KVCache
 from splitserve.workers.pinned_ring import PinnedRing, PinnedSlot
 
@@ -152,13 +152,9 @@ class DecodeGraphRunner:
         graph, hidden, static = self._graphs[size]
         seq_lens = [s.num_computed + 1 for s in steps]
         block_ids = [s.block_ids for s in steps]
-        padded = dataclasses.replace(
-            static,
-            seq_lens=seq_lens + [PAD_SEQ_LEN] * (size - n),
-            block_ids=block_ids + [[NULL_BLOCK]] * (size - n),
-        )
+        padded = _padded(static, seq_lens, block_ids)
         index = self.attn_backend.graph_reads_batch_index(size, padded)
-        slot = self._stage(steps, sources)
+        slot = self._stage(steps, block_ids, sources)
         ops.stage_decode_inputs(
             slot.tensor.view(n, -1), previous if any(i >= 0 for i in sources) else None,
             b["input_ids"][:size], b["positions"][:size], b["slot_mapping"][:size],
@@ -185,17 +181,17 @@ class DecodeGraphRunner:
         )
         return hidden[:n], fb
 
-    def _stage(self, steps: list[StepRequest], sources: list[int]) -> PinnedSlot:
+    def _stage(
+        self, steps: list[StepRequest], block_ids: list[list[int]], sources: list[int]
+    ) -> PinnedSlot:
         """The steps' rows (``kernels/decode_inputs.py``) in a page-locked slot."""
-        n, block_size = len(steps), self.kv_cache.block_size
-        width = max(len(s.block_ids) for s in steps)
+        block_size = self.kv_cache.block_size
+        tables = padded_block_tables(block_ids, dtype=np.int32)
+        n, width = tables.shape
         slot = self._staging.take(n * (STAGED_COLUMNS + width))
         rows = slot.tensor.numpy().reshape(n, STAGED_COLUMNS + width)
+        rows[:, STAGED_COLUMNS:] = tables
         positions = np.fromiter((s.num_computed for s in steps), dtype=np.int64, count=n)
-        tables = rows[:, STAGED_COLUMNS:]
-        tables.fill(NULL_BLOCK)
-        for row, s in zip(tables, steps):
-            row[: len(s.block_ids)] = s.block_ids
         blocks = tables[np.arange(n), positions // block_size].astype(np.int64)
         rows[:, TOKEN] = [max(s.new_token_ids[0], 0) for s in steps]  # a pending one: 0
         rows[:, SOURCE] = sources
@@ -210,12 +206,7 @@ class DecodeGraphRunner:
         size = bucket(self.sizes, n)
         graph, hidden, static = self._graphs[size]
         self._fill(fb, size)
-        padded = dataclasses.replace(
-            static,
-            seq_lens=fb.seq_lens + [PAD_SEQ_LEN] * (size - n),
-            block_ids=fb.block_ids + [[NULL_BLOCK]] * (size - n),
-        )
-        self.attn_backend.prepare_replay(size, padded)
+        self.attn_backend.prepare_replay(size, _padded(static, fb.seq_lens, fb.block_ids))
         graph.replay()
         return hidden[:n]
 
@@ -237,3 +228,14 @@ class DecodeGraphRunner:
     def clear(self) -> None:
         self._graphs = {}
         self._buffers = {}
+
+
+def _padded(static: ForwardBatch, seq_lens: list[int], block_ids: list[list[int]]) -> ForwardBatch:
+    """The graph's static batch with the step's host lists, padded to its size: a padded
+    request attends ``PAD_SEQ_LEN`` tokens of the null page."""
+    pad = static.num_tokens - len(seq_lens)
+    return dataclasses.replace(
+        static,
+        seq_lens=seq_lens + [PAD_SEQ_LEN] * pad,
+        block_ids=block_ids + [[NULL_BLOCK]] * pad,
+    )
