@@ -8,6 +8,8 @@ None. This is ``torch.nn.functional.linear`` (cuBLAS on CUDA), the CPU path of
 ``silu_and_mul_linear`` and ``rms_norm_linear`` are the compositions that the
 Triton kernel fuses for few rows: a gated MLP's activation into its down
 projection, a decoder layer's add-norm into the projection after it.
+``linear_silu_and_mul`` is the activation fused into the gate_up projection
+instead (``triton/gate_up_silu.py``, for decode batches of 17 to 64 rows).
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ def silu_and_mul_linear(
 ) -> torch.Tensor:
     """``linear(silu_and_mul(x), weight, bias)`` for ``x [..., 2K]`` (gate | up)."""
     return linear(silu_and_mul(x), weight, bias)
+
+
+def linear_silu_and_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``silu_and_mul(linear(x, weight, bias))`` for a gate | up ``weight [2D, K]``."""
+    return silu_and_mul(linear(x, weight, bias))
 
 
 def rms_norm_linear(

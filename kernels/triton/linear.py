@@ -27,9 +27,19 @@ at one row the GEMV on ``[16, 512]`` tiles without a K split beats cuBLAS by
 every case (a 6144 x 4096 GEMV: 59 us split in two, 22 us unsplit). In a
 decode step's CUDA graph (``decode_linears.py``, 36 layers): 1.07x the weight
 bytes at one row against cuBLAS's 1.18x, and with ``tl.dot`` tiles and the K
-split of ``default_config`` 1.17-1.18x at 8 and 16 rows against 1.22-1.26x; at
-32 rows they tie and at 64 cuBLAS is faster (1.25x against 1.33x), so
-``linear`` takes the kernel up to 16 rows.
+split of ``default_config`` 1.17-1.18x at 8 and 16 rows against 1.22-1.26x.
+
+From 17 to 64 rows (``SPLIT_K_MAX_M`` < M <= ``MAX_M``) the K split and its
+second launch lose; what wins is one wave: at most one program an SM, each
+streaming whole-K ``[32, 256]`` weight tiles four deep (``[64, 128]`` five deep
+when N needs wider tiles to fit one wave), so every SM reads one equal share
+and no program waits for a second round. H100, 64 rows, 36 layers with their
+own weights from one graph, L2 emptied (ms): o 0.525 against cuBLAS 0.547,
+down 1.407 against 1.492 (cuBLAS splits K and reduces in a second kernel),
+qkv 0.724 against 0.731. Wider projections (gate_up, the LM head) take no
+single wave and stay with cuBLAS; a gated MLP's gate_up runs
+``gate_up_silu.py`` instead. The kernel takes these rows on sm90 and later
+only: the tiles need 160-192 KB of shared memory.
 
 For one row the GEMV also computes its input from what the step's previous
 kernel wrote, so that input costs no launch of its own:
@@ -66,11 +76,12 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.triton.activation import silu_and_mul
-from splitserve.kernels.triton.device import sm_count
+from splitserve.kernels.triton.device import capability, sm_count
 from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
 from splitserve.kernels.triton.rmsnorm import rms_norm
 
-MAX_M = 16  # ``linear`` uses the kernel up to this many rows, cuBLAS above (measured)
+SPLIT_K_MAX_M = 16  # ``tl.dot`` tiles with a K split up to this many rows
+MAX_M = 64  # above SPLIT_K_MAX_M, one wave of whole-K programs (sm90+, N within one wave)
 DTYPES = (torch.bfloat16, torch.float16)
 REDUCE_BLOCK = 1024
 H200_SMS = 132  # the tiles' reference GPU: default_config's default, and the CPU interpreter's
@@ -232,13 +243,15 @@ def _load(ptrs, mask, EVEN: tl.constexpr):
 def supported(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k: int | None = None
 ) -> bool:
-    """Whether ``linear`` runs the kernel (else ``F.linear``): 1 to ``MAX_M`` rows,
-    bf16 / fp16 throughout, a 2-D contiguous weight and a contiguous bias. ``k``: the
-    matmul's K when x holds more per row (the gate and up halves of ``silu_and_mul_linear``)."""
+    """Whether ``linear`` runs the kernel (else ``F.linear``): 1 to ``SPLIT_K_MAX_M`` rows,
+    or up to ``MAX_M`` where one wave covers N (``one_wave``); bf16 / fp16 throughout, a
+    2-D contiguous weight and a contiguous bias. ``k``: the matmul's K when x holds more
+    per row (the gate and up halves of ``silu_and_mul_linear``)."""
     width = x.shape[-1] if x.dim() else 0
     m = x.numel() // width if width else 0
     return (
         1 <= m <= MAX_M
+        and (m <= SPLIT_K_MAX_M or one_wave(x.device, weight.shape[0]))
         and x.dtype in DTYPES
         and weight.dtype == x.dtype
         and weight.dim() == 2
@@ -374,6 +387,14 @@ def small_m_linear(
     return out.view(*lead, n)
 
 
+def one_wave(device: torch.device, n: int) -> bool:
+    """Whether ``n`` weight rows fit one wave of ``[64, K]`` tiles, one program an SM, on
+    an sm90+ ``device`` (the CPU interpreter stands for an H200)."""
+    if device.type == "cuda" and capability(device) < (9, 0):
+        return False
+    return triton.cdiv(n, 64) <= sm_count(device, off_gpu=H200_SMS)
+
+
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """``[rows, width]`` with unit stride along the row (a view when possible)."""
     x2 = x.reshape(-1, width)
@@ -383,14 +404,19 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
 def default_config(m: int, n: int, k: int, num_sms: int = H200_SMS) -> LinearConfig:
     """Tiles for ``[m, k] @ [n, k]^T`` on a GPU of ``num_sms`` SMs (module docstring).
 
-    One row: the GEMV on ``[16, 512]`` tiles, no K split. More rows: ``tl.dot`` on
-    ``[32, 128]`` tiles (``[64, 128]`` when N alone gives two programs an SM), with
-    K split in 2, 4, ... until the grid has over 1.5 programs an SM. Four warps, four
-    stages.
+    One row: the GEMV on ``[16, 512]`` tiles, no K split. Up to ``SPLIT_K_MAX_M`` rows:
+    ``tl.dot`` on ``[32, 128]`` tiles (``[64, 128]`` when N alone gives two programs an
+    SM), with K split in 2, 4, ... until the grid has over 1.5 programs an SM; four
+    stages. More rows: one wave, no K split, ``[32, 256]`` tiles four deep or, when
+    that takes more programs than SMs, ``[64, 128]`` five deep. Four warps.
     """
     block_k = max(triton.next_power_of_2(k), 16)
     if m == 1:
         return LinearConfig(16, min(512, block_k), num_warps=4, num_stages=4, use_dot=False)
+    if m > SPLIT_K_MAX_M:
+        if triton.cdiv(n, 32) <= num_sms:
+            return LinearConfig(32, min(256, block_k), num_warps=4, num_stages=4)
+        return LinearConfig(64, min(128, block_k), num_warps=4, num_stages=5)
     block_n = 64 if triton.cdiv(n, 64) >= 2 * num_sms else 32
     block_k = min(128, block_k)
     split = 1

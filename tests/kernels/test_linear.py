@@ -32,6 +32,7 @@ from tests.kernels.utils import (
 
 HALF = [torch.bfloat16, torch.float16]
 ROWS = [1, 2, 3, 8, 16]
+WAVE_ROWS = [17, 40, 64]  # one wave of whole-K programs
 # (N, K): N not a multiple of block_n = 16, K not a multiple of block_k = 64
 SHAPES = [(40, 200), (33, 96)]
 GPU_SHAPES = [(6144, 4096), (4096, 12288), (1000, 4000), (151936, 4096)]
@@ -86,15 +87,16 @@ def test_matches_reference(m, use_dot, split_k, bias, dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("m", ROWS + WAVE_ROWS)
 @pytest.mark.parametrize(
     "shape", SHAPES + [(40, 4096)] + [pytest.param(s, marks=pytest.mark.gpu) for s in GPU_SHAPES]
 )
 def test_default_config_matches_reference(shape, m, dtype):
-    """The heuristic's tiles at every row count; ``linear`` takes the kernel for one row."""
+    """The heuristic's tiles at every row count; ``linear`` takes the kernel up to 16 rows,
+    and up to 64 where one wave covers the weight (not the LM head's)."""
     n, k = shape
     x, w, b = operands(m, n, k, dtype, bias=True)
-    assert tri.supported(x, w, b) == (m <= tri.MAX_M)
+    assert tri.supported(x, w, b) == (m <= tri.SPLIT_K_MAX_M or n < 151936)
     assert_close(tri.small_m_linear(x, w, b), want(x, w, b), dtype)
     assert_close(tri.linear(x, w, b), want(x, w, b), dtype)
 
@@ -168,14 +170,24 @@ def test_leading_dims_and_strided_rows():
 
 @pytest.mark.parametrize(
     "case",
-    ["many rows", "float32", "transposed weight", "fp16 bias", "strided bias", "no rows"],
+    [
+        "many rows",
+        "wide at 17 rows",
+        "float32",
+        "transposed weight",
+        "fp16 bias",
+        "strided bias",
+        "no rows",
+    ],
 )
 def test_falls_back_to_f_linear(case, monkeypatch):
-    m, n, k = 17, 24, 32
+    m, n, k = 65, 24, 32
+    if case == "wide at 17 rows":  # more weight rows than one wave of 64-row tiles takes
+        m, n = 17, 64 * tri.H200_SMS + 1
     x, w, b = operands(m, n, k, torch.bfloat16, bias=True)
     if case == "float32":
         x, w, b = x.float(), w.float(), b.float()
-    elif case != "many rows":
+    elif case not in ("many rows", "wide at 17 rows"):
         x = x[:2]
     if case == "transposed weight":
         w = w.t().contiguous().t()
@@ -226,6 +238,17 @@ def test_default_config_on_decode_shapes(n, k, m):
     assert m > 1 or (cfg.split_k == 1 and programs >= 132)
     assert m == 1 or programs >= 198
     assert cfg.split_k == 1 or programs / 2 < 198
+
+
+@pytest.mark.parametrize("m", WAVE_ROWS)
+@pytest.mark.parametrize("n,k", QWEN3_8B[:2] + QWEN3_8B[3:4])
+def test_default_config_takes_one_wave_above_16_rows(n, k, m):
+    """17 to 64 rows: no K split, at most one program an SM of an H200, whole K tiles,
+    and the pipeline within the 227 KB of shared memory an sm90 program may have."""
+    cfg = default_config(m, n, k, num_sms=132)
+    assert cfg.split_k == 1 and cfg.use_dot and k % cfg.block_k == 0
+    assert 96 <= -(-n // cfg.block_n) <= 132
+    assert cfg.num_stages * (cfg.block_n + cfg.block_m(m)) * cfg.block_k * 2 <= 227 * 1024
 
 
 def test_ops_dispatch_both_branches(monkeypatch):
@@ -292,9 +315,9 @@ def test_dense_layers_take_their_add_norms_and_activation_into_the_linears(monke
     calls = []
 
     def spy(name, weight_at, original):
-        def call(*args):
+        def call(*args, **kwargs):  # on CUDA ops passes next_starts_at_once
             calls.append((name, args[weight_at].shape[0]))
-            return original(*args)
+            return original(*args, **kwargs)
 
         return call
 
