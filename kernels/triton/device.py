@@ -20,6 +20,11 @@ def capability(device: torch.device) -> tuple[int, int]:
     return props.major, props.minor
 
 
+def name(device: torch.device) -> str:
+    """The CUDA device's name, e.g. ``"NVIDIA H100 80GB HBM3"``; ``""`` off the GPU."""
+    return _properties(_index(device)).name if device.type == "cuda" else ""
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 

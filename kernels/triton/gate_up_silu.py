@@ -11,11 +11,19 @@ so the epilogue sees whole sums), and rounds as the two kernels would: each
 projection to x's dtype, ``silu(gate)`` to x's dtype, then the product.
 
 Used by ``ops.linear_silu_and_mul`` for ``MIN_M`` to ``MAX_M`` rows: a decode
-step of that many requests. Measured on an H100 (Qwen3-8B shapes, 64 rows, 36
-layers with their own weights replayed from one CUDA graph, L2 emptied): 2.645-2.668 ms
-against 2.798 ms for cuBLAS and the SiLU kernel, and 2.685 ms for cuBLAS alone.
-Fewer rows go through ``linear.py`` (one row fuses the SiLU into the down
-projection instead); more rows through cuBLAS and ``activation.py``.
+step of that many requests. The tiles differ by GPU (``TILES``, each the best of a
+sweep at 64 rows): Qwen3-8B shapes, 36 layers with their own weights replayed from
+one CUDA graph, L2 emptied, ms:
+
+| GPU | fused | cuBLAS + SiLU kernel | cuBLAS alone |
+|---|---:|---:|---:|
+| H100, ``[64, 128]`` tiles 4 deep | 2.645 | 2.798 | 2.685 |
+| H200, ``[32, 64]`` tiles 4 deep | 1.856 | 1.929 | 1.854 |
+
+The H100's tiles lose on the H200, whose step took 0.05-0.1 ms longer with them
+than with cuBLAS and the SiLU kernel. Fewer rows go through ``linear.py`` (one row
+fuses the SiLU into the down projection instead); more rows through cuBLAS and
+``activation.py``.
 
 Computing the layer's add-norm on load as well (the input scaled by the norm
 weight before ``tl.dot``) stopped Triton's pipelining of the weight loads, with
@@ -30,12 +38,16 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.triton.activation import silu_and_mul
+from splitserve.kernels.triton.device import name
 from splitserve.kernels.triton.linear import linear
 from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
 
 MIN_M, MAX_M = 17, 64  # rows the fused kernel runs for (module docstring)
 DTYPES = (torch.bfloat16, torch.float16)
-BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 128, 4, 4  # the H100 sweep's best at 64 rows
+# (BLOCK_N, BLOCK_K, num_stages, num_warps) by a substring of the GPU's name; others
+# take the H200's (the module docstring)
+TILES = {"H100": (64, 128, 4, 4), "H200": (32, 64, 4, 4)}
+DEFAULT_TILES = TILES["H200"]
 
 
 @triton.jit
@@ -89,6 +101,12 @@ def _gate_up_silu_kernel(
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
 
 
+def tiles(device: torch.device) -> tuple[int, int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_stages, num_warps)`` for ``device`` (``TILES``)."""
+    gpu = name(device)
+    return next((t for key, t in TILES.items() if key in gpu), DEFAULT_TILES)
+
+
 def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``linear_silu_and_mul`` runs the fused kernel: ``MIN_M`` to ``MAX_M`` rows,
     bf16 / fp16, a 2-D ``[2D, K]`` weight with unit stride along K, and no bias."""
@@ -122,11 +140,11 @@ def linear_silu_and_mul(
         x2 = x2.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, d, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(triton.cdiv(d, BLOCK_N),)](
+    block_n, block_k, stages, warps = tiles(x.device)
+    _gate_up_silu_kernel[(triton.cdiv(d, block_n),)](
         x2, weight, out, m, d, k, x2.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        EVEN_K=k % BLOCK_K == 0, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
         **launch_options(x.device, starts_early=True, lets_next_start=False, after_loop=True),
     )  # fmt: skip
     return out.view(*lead, d)
