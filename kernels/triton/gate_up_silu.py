@@ -10,18 +10,19 @@ pipeline), keeps two float32 ``tl.dot`` accumulators over all of K (no K split,
 so the epilogue sees whole sums), and rounds as the two kernels would: each
 projection to x's dtype, ``silu(gate)`` to x's dtype, then the product.
 
-Used by ``ops.linear_silu_and_mul`` for ``MIN_M`` to ``MAX_M`` rows: a decode
-step of that many requests. The tiles differ by GPU (``TILES``, each the best of a
-sweep at 64 rows): Qwen3-8B shapes, 36 layers with their own weights replayed from
-one CUDA graph, L2 emptied, ms:
+Used by ``ops.linear_silu_and_mul`` for ``MIN_M`` to ``MAX_M`` rows (a decode
+step of that many requests) on the GPUs of ``device.MEDIUM_BATCH_GPUS``. Qwen3-8B
+shapes, 64 rows, 36 layers with their own weights replayed from one CUDA graph, L2
+emptied, ms:
 
-| GPU | fused | cuBLAS + SiLU kernel | cuBLAS alone |
+| GPU, tiles | fused | cuBLAS + SiLU kernel | cuBLAS alone |
 |---|---:|---:|---:|
-| H100, ``[64, 128]`` tiles 4 deep | 2.645 | 2.798 | 2.685 |
-| H200, ``[32, 64]`` tiles 4 deep | 1.856 | 1.929 | 1.854 |
+| H100, ``[64, 128]`` 4 deep (the ones used) | 2.645 | 2.798 | 2.685 |
+| H200, ``[32, 64]`` 4 deep (its best) | 1.856 | 1.929 | 1.854 |
 
-The H100's tiles lose on the H200, whose step took 0.05-0.1 ms longer with them
-than with cuBLAS and the SiLU kernel. Fewer rows go through ``linear.py`` (one row
+On the H200 a decode step of 64 requests still took 0.06-0.1 ms longer with these
+kernels than with cuBLAS and the SiLU kernel (engine loop, both trees in one call,
+with either tiling), so it keeps those. Fewer rows go through ``linear.py`` (one row
 fuses the SiLU into the down projection instead); more rows through cuBLAS and
 ``activation.py``.
 
@@ -38,16 +39,13 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.triton.activation import silu_and_mul
-from splitserve.kernels.triton.device import name
+from splitserve.kernels.triton.device import medium_batch_kernels
 from splitserve.kernels.triton.linear import linear
 from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
 
 MIN_M, MAX_M = 17, 64  # rows the fused kernel runs for (module docstring)
 DTYPES = (torch.bfloat16, torch.float16)
-# (BLOCK_N, BLOCK_K, num_stages, num_warps) by a substring of the GPU's name; others
-# take the H200's (the module docstring)
-TILES = {"H100": (64, 128, 4, 4), "H200": (32, 64, 4, 4)}
-DEFAULT_TILES = TILES["H200"]
+BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 128, 4, 4  # the H100 sweep's best at 64 rows
 
 
 @triton.jit
@@ -101,19 +99,21 @@ def _gate_up_silu_kernel(
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
 
 
-def tiles(device: torch.device) -> tuple[int, int, int, int]:
-    """``(BLOCK_N, BLOCK_K, num_stages, num_warps)`` for ``device`` (``TILES``)."""
-    gpu = name(device)
-    return next((t for key, t in TILES.items() if key in gpu), DEFAULT_TILES)
-
-
 def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``linear_silu_and_mul`` runs the fused kernel: ``MIN_M`` to ``MAX_M`` rows,
-    bf16 / fp16, a 2-D ``[2D, K]`` weight with unit stride along K, and no bias."""
+    """Whether ``linear_silu_and_mul`` runs the fused kernel: ``MIN_M`` to ``MAX_M`` rows
+    on a GPU where it wins (``medium_batch_kernels``) and ``fits``."""
     width = x.shape[-1] if x.dim() else 0
     m = x.numel() // width if width else 0
+    return MIN_M <= m <= MAX_M and medium_batch_kernels(x.device) and fits(x, weight, bias)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``fused_linear_silu_and_mul`` takes these operands: at most ``MAX_M`` rows,
+    bf16 / fp16, a 2-D ``[2D, K]`` weight with unit stride along K, and no bias."""
+    width = x.shape[-1] if x.dim() else 0
     return (
-        MIN_M <= m <= MAX_M
+        width > 0
+        and 1 <= x.numel() // width <= MAX_M
         and bias is None
         and x.dtype in DTYPES
         and weight.dtype == x.dtype
@@ -133,6 +133,21 @@ def linear_silu_and_mul(
     ``F.linear`` (or ``linear.py``'s kernel for a few rows) and the SiLU kernel."""
     if not supported(x, weight, bias):
         return silu_and_mul(linear(x, weight, bias))
+    return fused_linear_silu_and_mul(x, weight)
+
+
+def fused_linear_silu_and_mul(
+    x: torch.Tensor,  # [..., K], at most MAX_M rows
+    weight: torch.Tensor,  # [2D, K]: gate | up
+) -> torch.Tensor:  # [..., D]
+    """The fused kernel on any GPU (``linear_silu_and_mul`` picks where it runs)."""
+    if not fits(x, weight, None):
+        raise ValueError(
+            f"the fused gate_up projection takes 1 to {MAX_M} rows of bf16 / fp16 and a "
+            f"[2D, K] weight of x's dtype with unit stride along K; got x "
+            f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
+            f"strides {weight.stride()}"
+        )
     *lead, k = x.shape
     d = weight.shape[0] // 2
     x2 = x.reshape(-1, k)
@@ -140,11 +155,11 @@ def linear_silu_and_mul(
         x2 = x2.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, d, dtype=x.dtype, device=x.device)
-    block_n, block_k, stages, warps = tiles(x.device)
-    _gate_up_silu_kernel[(triton.cdiv(d, block_n),)](
+    _gate_up_silu_kernel[(triton.cdiv(d, BLOCK_N),)](
         x2, weight, out, m, d, k, x2.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, NUM_STAGES=stages, num_warps=warps, num_stages=stages,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        EVEN_K=k % BLOCK_K == 0, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
         **launch_options(x.device, starts_early=True, lets_next_start=False, after_loop=True),
     )  # fmt: skip
     return out.view(*lead, d)

@@ -12,6 +12,7 @@ from splitserve.kernels import linear as reference
 from splitserve.kernels import ops
 from splitserve.kernels.triton import gate_up_silu as tri
 from splitserve.kernels.triton.activation import silu_and_mul
+from splitserve.kernels.triton.device import medium_batch_kernels
 from splitserve.workers.layers.layernorm import RMSNorm
 from splitserve.workers.layers.mlp import GatedMLP
 from tests.kernels.test_linear import _interpreter_bf16_dot  # noqa: F401 - autouse fixture
@@ -35,8 +36,8 @@ def test_matches_reference(shape, m, dtype):
     """One launch; close to the float32 reference and to the two kernels it replaces."""
     d, k = shape
     x, w = operands(m, d, k, dtype)
-    assert tri.supported(x, w, None)
-    got = tri.linear_silu_and_mul(x, w)
+    assert tri.supported(x, w, None) == medium_batch_kernels(x.device)
+    got = tri.fused_linear_silu_and_mul(x, w)
     assert got.shape == (m, d) and got.dtype == dtype
     assert_close(got, reference.linear_silu_and_mul(x.float(), w.float()), dtype)
     assert_close(got, silu_and_mul(F.linear(x, w)).float(), dtype)
@@ -46,7 +47,7 @@ def test_leading_dims_and_strided_rows():
     d, k = SHAPES[0]
     x, w = operands(24, d, k, torch.bfloat16)
     rows = torch.cat([x, x], dim=1)[:, :k]  # row stride 2k
-    got = tri.linear_silu_and_mul(rows.view(4, 6, k), w)
+    got = tri.fused_linear_silu_and_mul(rows.view(4, 6, k), w)
     assert got.shape == (4, 6, d)
     want = reference.linear_silu_and_mul(x.float(), w.float())
     assert_close(got.view(24, d), want, torch.bfloat16)
@@ -67,6 +68,9 @@ def test_other_inputs_run_the_two_kernels(case, monkeypatch):
     elif case == "strided weight":
         w = torch.stack([w, w], dim=-1)[..., 0]
     assert not tri.supported(x, w, b)
+    if case not in ("16 rows", "bias"):  # neither would the fused kernel take
+        with pytest.raises(ValueError, match="fused gate_up projection takes"):
+            tri.fused_linear_silu_and_mul(x, w)
     monkeypatch.setattr(tri, "_gate_up_silu_kernel", None)  # a launch would raise
     if case == "odd weight rows":
         with pytest.raises(ValueError, match="even last dim"):
@@ -78,11 +82,11 @@ def test_other_inputs_run_the_two_kernels(case, monkeypatch):
 
 def test_ops_pick_the_fused_kernel_on_cuda_only(monkeypatch):
     x, w = operands(24, 40, 96, torch.bfloat16)
-    assert ops.activation_in_gate_up(x, w) == x.is_cuda
+    assert ops.activation_in_gate_up(x, w) == (x.is_cuda and medium_batch_kernels(x.device))
     got = {}
     for triton in (True, False):
         monkeypatch.setattr(ops, "use_triton", lambda t, triton=triton: triton)
-        assert ops.activation_in_gate_up(x, w) == triton
+        assert ops.activation_in_gate_up(x, w) == (triton and medium_batch_kernels(x.device))
         got[triton] = ops.linear_silu_and_mul(x, w)
     assert torch.equal(got[False], reference.linear_silu_and_mul(x, w))
     assert_close(got[True], reference.linear_silu_and_mul(x.float(), w.float()), torch.bfloat16)
@@ -113,7 +117,7 @@ def test_gated_mlp_takes_the_activation_into_gate_up_for_its_rows(rows, monkeypa
         out, new_residual = mlp.forward_normed(norm, hidden, residual)
         plain = mlp(hidden)
         want_normed, summed = norm(hidden, residual)  # the add-norm kernel's own sum
-    assert len(launches) == (2 if rows == 24 else 0)
+    assert len(launches) == (2 if rows == 24 and medium_batch_kernels(hidden.device) else 0)
     assert torch.equal(new_residual, summed)
     f32 = {k: p.float() for k, p in mlp.state_dict().items()}
 
@@ -123,3 +127,19 @@ def test_gated_mlp_takes_the_activation_into_gate_up_for_its_rows(rows, monkeypa
 
     assert_close(out, want(want_normed), torch.bfloat16)
     assert_close(plain, want(hidden), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "gpu,takes", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H200", False), ("NVIDIA A100", False)]
+)
+def test_medium_batch_kernels_only_on_the_gpus_they_beat_cublas_on(gpu, takes, monkeypatch):
+    """The H100's decode step gained from the 17-64-row kernels, the H200's lost; the CPU
+    interpreter takes them (these tests)."""
+    from splitserve.kernels.triton import device, linear
+
+    monkeypatch.setattr(device, "name", lambda d: gpu)
+    monkeypatch.setattr(linear, "sm_count", lambda d, off_gpu: 132)
+    cuda = torch.device("cuda")
+    assert device.medium_batch_kernels(cuda) == takes
+    assert linear.one_wave(cuda, 4096) == takes
+    assert device.medium_batch_kernels(torch.device("cpu"))
