@@ -4,7 +4,7 @@ import torch
 from splitserve.kernels.decode_attention import decode_attention as reference
 from splitserve.kernels.triton.decode_attention import decode_attention, num_splits
 from splitserve.kernels.triton.qk_norm_rope import qk_norm_rope
-from tests.kernels.utils import DEVICE, DTYPES, ON_GPU, assert_close, randn
+from tests.kernels.utils import DEVICE, DTYPES, ON_GPU, assert_close, count_launches, randn
 
 # (seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits)
 CASES = [
@@ -171,15 +171,7 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch):
     import splitserve.kernels.triton.decode_attention as module
 
     q, k_cache, v_cache, tables, seq_lens = paged_inputs([37, 64], 4, 2, 16, 4, torch.float32)
-    merges = []
-    real_merge = module._merge_kernel
-
-    class CountingMerge:
-        def __getitem__(self, grid):
-            merges.append(grid)
-            return real_merge[grid]
-
-    monkeypatch.setattr(module, "_merge_kernel", CountingMerge())
+    merges = count_launches(monkeypatch, module, "_merge_kernel")
     one = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=1)
     assert merges == []
     four = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=4)

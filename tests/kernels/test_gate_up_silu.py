@@ -16,7 +16,7 @@ from splitserve.kernels.triton.device import medium_batch_kernels
 from splitserve.workers.layers.layernorm import RMSNorm
 from splitserve.workers.layers.mlp import GatedMLP
 from tests.kernels.test_linear import _interpreter_bf16_dot  # noqa: F401 - autouse fixture
-from tests.kernels.utils import DEVICE, assert_close, randn
+from tests.kernels.utils import DEVICE, assert_close, count_launches, randn
 
 HALF = [torch.bfloat16, torch.float16]
 # (D, K): D not a multiple of BLOCK_N = 64, K a multiple of BLOCK_K = 128 or not
@@ -104,15 +104,7 @@ def test_gated_mlp_takes_the_activation_into_gate_up_for_its_rows(rows, monkeypa
         mlp.down_proj.weight.copy_(randn(96, 40) / 40**0.5)
         norm.weight.copy_(1 + randn(96) / 4)
     hidden, residual = randn(rows, 96, dtype=torch.bfloat16), randn(rows, 96, dtype=torch.bfloat16)
-    launches = []
-    fused_kernel = tri._gate_up_silu_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return fused_kernel[grid]
-
-    monkeypatch.setattr(tri, "_gate_up_silu_kernel", Spy())
+    launches = count_launches(monkeypatch, tri, "_gate_up_silu_kernel")
     with torch.no_grad():
         out, new_residual = mlp.forward_normed(norm, hidden, residual)
         plain = mlp(hidden)

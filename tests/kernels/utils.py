@@ -73,3 +73,17 @@ def prefill_then_decode(model: torch.nn.Module, prompts: list[list[int]]) -> tor
 def prompts(lengths: tuple[int, ...] = (7, 13, 4), seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def count_launches(monkeypatch, module, kernel: str) -> list:
+    """The grids of every launch of ``module.<kernel>`` from now on (the kernel still runs)."""
+    grids = []
+    real = getattr(module, kernel)
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(module, kernel, Spy())
+    return grids
