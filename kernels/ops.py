@@ -146,7 +146,8 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [..., N]
     """``x @ weight.T + bias``. On CUDA: a weight-streaming kernel for up to 16 rows
-    (decode) in bf16 / fp16, ``F.linear`` (cuBLAS) for anything else."""
+    (decode) in bf16 / fp16, on an H100 also up to 64 where the weight fits one wave
+    (``triton.linear.one_wave``), ``F.linear`` (cuBLAS) for anything else."""
     kernels = _triton("linear") if use_triton(x) else dense
     return kernels.linear(x, weight, bias)
 

@@ -83,7 +83,7 @@ from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previo
 from splitserve.kernels.triton.rmsnorm import rms_norm
 
 SPLIT_K_MAX_M = 16  # ``tl.dot`` tiles with a K split up to this many rows
-MAX_M = 64  # above SPLIT_K_MAX_M, one wave of whole-K programs (sm90+, N within one wave)
+MAX_M = 64  # above SPLIT_K_MAX_M: one wave of whole-K programs, where ``one_wave``
 DTYPES = (torch.bfloat16, torch.float16)
 REDUCE_BLOCK = 1024
 H200_SMS = 132  # the tiles' reference GPU: default_config's default, and the CPU interpreter's
