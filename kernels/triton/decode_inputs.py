@@ -16,10 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.decode_inputs import STAGED_COLUMNS
+from splitserve.kernels.decode_inputs import POSITION, SEQ_LEN, SLOT, SOURCE, STAGED_COLUMNS, TOKEN
 from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
 
 BLOCK_W = 256  # block-table entries a program copies at a time
+# the staged row's columns, as the reference names them
+_TOKEN, _SOURCE, _POSITION = tl.constexpr(TOKEN), tl.constexpr(SOURCE), tl.constexpr(POSITION)
+_SLOT, _SEQ_LEN = tl.constexpr(SLOT), tl.constexpr(SEQ_LEN)
 
 
 @triton.jit
@@ -47,11 +50,11 @@ def _stage_kernel(
     real = row < n
     src = staged_ptr + row.to(tl.int64) * (COLUMNS + width)
     if real:
-        token = tl.load(src).to(tl.int64)
-        source = tl.load(src + 1)
-        position = tl.load(src + 2).to(tl.int64)
-        slot = tl.load(src + 3).to(tl.int64)
-        seq_len = tl.load(src + 4)
+        token = tl.load(src + _TOKEN).to(tl.int64)
+        source = tl.load(src + _SOURCE)
+        position = tl.load(src + _POSITION).to(tl.int64)
+        slot = tl.load(src + _SLOT).to(tl.int64)
+        seq_len = tl.load(src + _SEQ_LEN)
     else:
         token = tl.full([], 0, tl.int64)
         source = tl.full([], -1, tl.int32)

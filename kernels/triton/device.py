@@ -1,4 +1,5 @@
-"""The GPU properties the kernel wrappers size their launches by, read once per device."""
+"""The GPU properties the kernel wrappers size their launches by, read once per device,
+and the GPUs on which the kernels for 17 to 64 rows are used (``medium_batch_kernels``)."""
 
 from __future__ import annotations
 

@@ -24,9 +24,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self.gate_up_proj.weight, self.gate_up_proj.bias
-        if activation_in_gate_up(x, w, b):
-            return self.down_proj(linear_silu_and_mul(x, w, b))
+        if self._activation_in_gate_up(x):
+            return self._fused_gate_up_down(x)
         return self.down(self.gate_up_proj(x))
 
     def forward_normed(
@@ -34,11 +33,19 @@ class GatedMLP(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(hidden + residual)), hidden + residual)``, the add-norm fused into
         the gate_up projection (``RMSNorm.project``) unless the activation is."""
-        if activation_in_gate_up(hidden, self.gate_up_proj.weight, self.gate_up_proj.bias):
+        if self._activation_in_gate_up(hidden):
             normed, residual = norm(hidden, residual)
-            return self(normed), residual
+            return self._fused_gate_up_down(normed), residual
         gate_up, residual = norm.project(hidden, residual, self.gate_up_proj)
         return self.down(gate_up), residual
+
+    def _activation_in_gate_up(self, x: torch.Tensor) -> bool:
+        return activation_in_gate_up(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+
+    def _fused_gate_up_down(self, x: torch.Tensor) -> torch.Tensor:
+        """The down projection of gate_up with the SiLU-and-mul in its epilogue."""
+        act = linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return self.down_proj(act)
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The down projection of ``silu(gate) * up``, the activation fused into it."""
