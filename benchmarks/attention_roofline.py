@@ -44,8 +44,9 @@ from roofline import (  # noqa: E402
 from splitserve.workers.attention.base import AttentionSpec  # noqa: E402
 from splitserve.workers.attention.flashinfer_backend import FlashInferAttentionBackend  # noqa: E402
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from splitserve.workers.input_batch import StepRequest, build_forward_batch  # noqa: E402
-from splitserve.workers.kv_cache import KVCache, KVCacheSpec  # noqa: E402
+from splitserve.workers.kv.cache import KVCache  # noqa: E402
+from splitserve.workers.kv.layout import KVLayout  # noqa: E402
+from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 36, 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -61,12 +62,12 @@ class Setup:
 
     def __init__(self, num_blocks: int, device: torch.device):
         self.device = device
-        self.cache = KVCache(KVCacheSpec(LAYERS, KV_HEADS, DIM, BLOCK, DTYPE), num_blocks, device)
+        self.cache = KVCache(KVLayout(LAYERS, KV_HEADS, DIM, BLOCK, DTYPE), num_blocks, device)
         for layer in range(LAYERS):
             for t in self.cache.layer(layer):
                 t[1:].normal_()
         self.next_block = 1
-        self.specs = [AttentionSpec(i, HEADS, KV_HEADS, DIM, DIM**-0.5) for i in range(LAYERS)]
+        self.specs = [AttentionSpec(i, HEADS, DIM**-0.5) for i in range(LAYERS)]
 
     def step(self, new: int, cached: int) -> StepRequest:
         n = -(-(cached + new) // BLOCK)

@@ -25,8 +25,8 @@ import ray
 import torch
 
 from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.engine import LLMEngine
+from splitserve.sampling_params import SamplingParams
+from splitserve.workers.engine.llm_engine import LLMEngine
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 

@@ -55,9 +55,9 @@ from roofline import (  # noqa: E402
 )
 
 from splitserve.kernels.triton import pdl  # noqa: E402
-from splitserve.scheduler.sampling_params import SamplingParams  # noqa: E402
-from splitserve.workers.engine import LLMEngine  # noqa: E402
-from splitserve.workers.input_batch import build_forward_batch  # noqa: E402
+from splitserve.sampling_params import SamplingParams  # noqa: E402
+from splitserve.workers.engine.llm_engine import LLMEngine  # noqa: E402
+from splitserve.workers.runner.input_batch import build_forward_batch  # noqa: E402
 
 PREFILL_PROMPTS = 6
 WARMUP_STEPS = 3  # decode steps run before the timed ones

@@ -75,14 +75,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_transfer_stamps  # noqa: E402
 from kv_transfer_stamps import StampedCpu, StampedNccl  # noqa: E402
 
-from splitserve.workers.kv_cache import KVCache, KVCacheSpec
-from splitserve.workers.kv_transfer.nccl_pair import (
+from splitserve.workers.kv.cache import KVCache  # noqa: E402
+from splitserve.workers.kv.layout import KVLayout
+from splitserve.workers.kv.transfer.nccl_pair import (
     communicator,
     transfer_plan,
     unique_id,
     wait_event,
 )
-from splitserve.workers.kv_transfer.ticket import TransferDone, TransferTicket, token_slots
+from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket, token_slots
 
 LAYERS, HEADS, DIM = 36, 8, 128  # Qwen3-8B
 DTYPE = torch.bfloat16
@@ -107,7 +108,7 @@ class Worker:
         self.device = torch.device(device)
         self.tokens = tokens
         need = math.ceil(tokens / block_size)
-        spec = KVCacheSpec(LAYERS, HEADS, DIM, block_size, DTYPE)
+        spec = KVLayout(LAYERS, HEADS, DIM, block_size, DTYPE)
         self.cache = KVCache(spec, 4 * need + 1, self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         for t in self.cache.k + self.cache.v:

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from splitserve.workers.kv_transfer.cpu_transport import CpuKVTransport
-from splitserve.workers.kv_transfer.nccl_transport import NcclKVTransport
+from splitserve.workers.kv.transfer.cpu_transport import CpuKVTransport
+from splitserve.workers.kv.transfer.nccl_transport import NcclKVTransport
 
 
 class _Stamp:

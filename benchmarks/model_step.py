@@ -41,8 +41,8 @@ from roofline import (  # noqa: E402
 )
 
 from splitserve.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from splitserve.workers.engine import LLMEngine  # noqa: E402
-from splitserve.workers.input_batch import StepRequest, build_forward_batch  # noqa: E402
+from splitserve.workers.engine.llm_engine import LLMEngine  # noqa: E402
+from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch  # noqa: E402
 
 MODEL = "qwen3-8b-shape"
 CONTEXT = 1024
@@ -121,7 +121,7 @@ class StepBench:
         self.block_size = engine.kv_cache.block_size
         self._next_block = 1
         self.gen = torch.Generator().manual_seed(seed)
-        for layer in range(engine.kv_cache.spec.num_layers):
+        for layer in range(engine.kv_cache.layout.num_layers):
             for t in engine.kv_cache.layer(layer):
                 t[1:].normal_()  # random KV, never zeros; the null page stays zero
 

@@ -23,8 +23,8 @@ from statistics import median
 import torch
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.engine import LLMEngine
+from splitserve.sampling_params import SamplingParams
+from splitserve.workers.engine.llm_engine import LLMEngine
 
 PRESETS = ["qwen3-tiny", "qwen3-moe-tiny", "glm4-moe-tiny"]
 

@@ -24,8 +24,9 @@ def warm(variant: str, head_dim: int, dtype_name: str) -> str:
 
     from splitserve.workers.attention.base import AttentionSpec
     from splitserve.workers.attention.flashinfer_backend import FlashInferAttentionBackend
-    from splitserve.workers.input_batch import StepRequest, build_forward_batch
-    from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+    from splitserve.workers.kv.cache import KVCache
+    from splitserve.workers.kv.layout import KVLayout
+    from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch
 
     start = time.perf_counter()
     dtype, device = getattr(torch, dtype_name), torch.device("cuda")
@@ -33,7 +34,7 @@ def warm(variant: str, head_dim: int, dtype_name: str) -> str:
     backend = FlashInferAttentionBackend(
         heads, kv_heads, head_dim, dtype, device, decode_tensor_cores=variant.endswith("cores")
     )
-    cache = KVCache(KVCacheSpec(1, kv_heads, head_dim, block, dtype), 8, device)
+    cache = KVCache(KVLayout(1, kv_heads, head_dim, block, dtype), 8, device)
     if variant.startswith("decode"):
         steps = [StepRequest([1], 20, [1, 2], sample=True)]
     else:
@@ -43,7 +44,7 @@ def warm(variant: str, head_dim: int, dtype_name: str) -> str:
     fb = build_forward_batch(steps, cache, backend, device)
     q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
     k = torch.randn(tokens, kv_heads, head_dim, device=device, dtype=dtype)
-    backend.forward(q, k, k.clone(), AttentionSpec(0, heads, kv_heads, head_dim, 1.0), fb)
+    backend.forward(q, k, k.clone(), AttentionSpec(0, heads, 1.0), fb)
     torch.cuda.synchronize()
     return f"{variant} head_dim {head_dim}: {time.perf_counter() - start:.0f} s"
 

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from splitserve.config import DEVICES, DTYPES
-from splitserve.scheduler.sampling_params import SamplingParams
+from splitserve.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = ["The capital of France is", "Prefill computes the prompt; decode"]
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

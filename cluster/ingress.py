@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP ingress: validate, tokenize, route, stream.
 
-One request's path through the pools (``scheduler.router`` picks the route):
+One request's path through the pools (``cluster.routing`` picks the route):
 
 - local: one streaming ``generate`` call on a mixed or decode worker.
 - disaggregated: a streaming ``generate(remote=True)`` on a decode worker,
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 
+from splitserve.cluster import routing
 from splitserve.cluster.metrics import ServingMetrics
 from splitserve.cluster.openai_api import (
     OpenAIError,
@@ -44,11 +45,10 @@ from splitserve.cluster.openai_api import (
 from splitserve.cluster.serve_config import ServeConfig
 from splitserve.cluster.stats_board import get_or_create_board
 from splitserve.cluster.worker_calls import WorkerFailed, guard, output_of, watch_prefill
-from splitserve.scheduler import router
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.model_loader import load_hf_config
-from splitserve.workers.outputs import RequestOutput
-from splitserve.workers.tokenizer import load_tokenizer, tiny_tokenizer
+from splitserve.sampling_params import SamplingParams
+from splitserve.workers.model.loader import load_hf_config
+from splitserve.workers.model.tokenizer import load_tokenizer, tiny_tokenizer
+from splitserve.workers.output.request_output import RequestOutput
 
 logger = logging.getLogger(__name__)
 app = FastAPI(title="splitserve")
@@ -168,7 +168,7 @@ class OpenAIIngress:
     ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request, with retry, metrics and cancellation."""
         pools = {name: handle is not None for name, handle in self.pools.items()}
-        route = router.choose_route(
+        route = routing.choose_route(
             self.config.router, len(prompt_ids), pools["prefill"], pools["decode"], pools["mixed"]
         )
         start = last = time.monotonic()
@@ -207,9 +207,9 @@ class OpenAIIngress:
     def _attempt(self, routes: list[str], rid, prompt_ids, params) -> AsyncIterator:
         """One try along the first route; the decode worker may append the route it took."""
         request = {"request_id": rid, "prompt_token_ids": prompt_ids, "params": asdict(params)}
-        if routes[0] == router.DISAGGREGATED:
+        if routes[0] == routing.DISAGGREGATED:
             return self._disaggregated(request, routes)
-        return self._local("mixed" if routes[0] == router.LOCAL_MIXED else "decode", request)
+        return self._local("mixed" if routes[0] == routing.LOCAL_MIXED else "decode", request)
 
     async def _local(self, pool: str, request: dict) -> AsyncIterator[RequestOutput]:
         call = self.pools[pool].options(stream=True).generate.remote(request)

@@ -4,7 +4,7 @@ A call whose request dict names a ``worker`` (a replica id) goes to that
 replica: the ingress uses it for the steps of one request that must meet on
 the same worker, and prefill workers use it to reach a decode worker for the
 NCCL rendezvous. Other calls go to the replica with the lowest cost
-(``scheduler.router``) from the stats each replica reports
+(``cluster.routing``) from the stats each replica reports
 (``record_routing_stats``), plus what this router sent since.
 """
 
@@ -14,7 +14,7 @@ from collections import defaultdict
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from splitserve.scheduler.router import RouterConfig, WorkerLoad, decode_cost, prefill_cost
+from splitserve.cluster.routing import RouterConfig, WorkerLoad, decode_cost, prefill_cost
 
 
 class PoolRequestRouter(RequestRouter):

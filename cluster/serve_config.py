@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
+from splitserve.cluster.routing import RouterConfig
 from splitserve.config import EngineConfig, known_keys
-from splitserve.scheduler.router import RouterConfig
 
 POOLS = ("prefill", "decode", "mixed")
 

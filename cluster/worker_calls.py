@@ -8,7 +8,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import RequestCancelledError
 
 from splitserve.cluster.openai_api import invalid_request
-from splitserve.workers.outputs import RequestOutput
+from splitserve.workers.output.request_output import RequestOutput
 
 
 class WorkerFailed(Exception):

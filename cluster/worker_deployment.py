@@ -24,8 +24,8 @@ from ray import serve
 
 from splitserve.config import EngineConfig
 from splitserve.errors import InvalidRequestError
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.async_engine import AsyncEngine, Route
+from splitserve.sampling_params import SamplingParams
+from splitserve.workers.engine.async_engine import AsyncEngine, Route
 
 logger = logging.getLogger(__name__)
 

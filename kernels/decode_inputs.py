@@ -3,7 +3,7 @@ buffers.
 
 A decode CUDA graph reads its inputs from static buffers of ``size`` rows;
 a step of ``n <= size`` requests fills rows ``[:n]`` and every padded row
-(``workers/cuda_graphs/decode_runner.py``). ``staged`` packs the step as
+(``workers/runner/cuda_graphs/decode_runner.py``). ``staged`` packs the step as
 ``[n, STAGED_COLUMNS + width]`` int32 rows:
 
     token id, source row, position, slot, sequence length, block table (width)

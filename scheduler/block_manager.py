@@ -21,8 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from splitserve.scheduler.request import Request
-from splitserve.workers.kv_cache import NULL_BLOCK
 
+NULL_BLOCK = 0  # the null page: never allocated, stays zero; padding points at it
 ROOT_HASH = 0  # parent hash of a request's first block (hash(None) varies between processes)
 
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.scheduler.sampling_params import SamplingParams
+from splitserve.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # the id of a sampled token the host has not read back yet
 

@@ -1,6 +1,6 @@
 """splitserve: LLM serving on Ray with disaggregated prefill and decode."""
 
-from splitserve.scheduler.sampling_params import SamplingParams
+from splitserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 

@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.errors import InvalidRequestError
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.engine import LLMEngine
-from splitserve.workers.outputs import CompletionOutput, RequestOutput
+from splitserve.sampling_params import SamplingParams
+from splitserve.workers.engine.llm_engine import LLMEngine
+from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
 
 PromptType = str | list[int] | dict[str, Any]
 

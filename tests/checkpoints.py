@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from splitserve.workers.tokenizer import save_tiny_tokenizer
+from splitserve.workers.model.tokenizer import save_tiny_tokenizer
 
 VOCAB_SIZE = 512
 INDEX_FILE = "model.safetensors.index.json"

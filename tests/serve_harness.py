@@ -185,8 +185,8 @@ def offline_greedy(model_dir: Path, num_blocks: int, max_model_len: int):
     """Greedy continuations from the offline engine (one step read back at a time),
     token ids in, token ids out: what the served completions must equal."""
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from splitserve.scheduler.sampling_params import SamplingParams
-    from splitserve.workers.engine import LLMEngine
+    from splitserve.sampling_params import SamplingParams
+    from splitserve.workers.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(
         EngineConfig(

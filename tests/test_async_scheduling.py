@@ -18,7 +18,7 @@ from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.scheduler.block_manager import BlockManager
 from splitserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
 from splitserve.scheduler.scheduler import Scheduler
-from splitserve.workers.engine import LLMEngine
+from splitserve.workers.engine.llm_engine import LLMEngine
 from tests import checkpoints
 
 

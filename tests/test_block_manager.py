@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler import block_manager as bm_module
-from splitserve.scheduler.block_manager import BlockManager
+from splitserve.scheduler.block_manager import NULL_BLOCK, BlockManager
 from splitserve.scheduler.request import Request
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.kv_cache import NULL_BLOCK
 
 BS = 4
 

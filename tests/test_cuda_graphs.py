@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 from splitserve import LLM, SamplingParams
 from splitserve.scheduler.request import PLACEHOLDER
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
-from splitserve.workers.forward_batch import Phase
-from splitserve.workers.input_batch import StepRequest, build_forward_batch
+from splitserve.workers.runner.forward_batch import Phase
+from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch
 from tests import checkpoints
 
 pytestmark = [
@@ -214,12 +214,12 @@ def test_padded_replay_touches_only_real_slots(tmp_path, host_rows):
     lens = [n + 1 for n in lens]
     cache = steps.engine.kv_cache
     live = {b for table in steps.tables[:3] for b in table}
-    for layer in range(cache.spec.num_layers):
+    for layer in range(cache.layout.num_layers):
         for t in cache.layer(layer):
             for block in range(1, cache.num_blocks):
                 if block not in live:
                     t[block] = float("nan")  # row 3's pages too: it is gone now
-    before = [t.clone() for layer in range(cache.spec.num_layers) for t in cache.layer(layer)]
+    before = [t.clone() for layer in range(cache.layout.num_layers) for t in cache.layer(layer)]
     hidden, fb = steps.hidden([[2]] * 3, lens[:3], rows=range(3), host_rows=host_rows)
     assert fb.phase == Phase.DECODE and fb.num_tokens == 3
     runner = steps.runner.graphs.runner_for(fb)
@@ -229,7 +229,7 @@ def test_padded_replay_touches_only_real_slots(tmp_path, host_rows):
     assert torch.isfinite(hidden).all()
     written = set(fb.slot_mapping.tolist())
     block_size = cache.block_size
-    after = [t for layer in range(cache.spec.num_layers) for t in cache.layer(layer)]
+    after = [t for layer in range(cache.layout.num_layers) for t in cache.layer(layer)]
     for old, new in zip(before, after):
         old, new = old.flatten(0, 1), new.flatten(0, 1)  # [slots, heads, dim]
         changed = ~((old == new) | (old.isnan() & new.isnan())).all(-1).all(-1)
@@ -275,13 +275,14 @@ def test_flashinfer_attention_matches_torch(phase, split_kv):
     """Random q/k/v over a shuffled paged cache with cached prefixes: bf16 vs float32;
     decode through FlashInfer and through the Triton split-KV kernel."""
     flashinfer_backend = pytest.importorskip("splitserve.workers.attention.flashinfer_backend")
-    from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+    from splitserve.workers.kv.cache import KVCache
+    from splitserve.workers.kv.layout import KVLayout
 
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size = 16, 4, 128, 16
     cached = [5, 31, 100, 513] if phase == "decode" else [0, 31, 100, 513]
     new = [1] * 4 if phase == "decode" else [7, 1, 64, 200]
-    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, torch.bfloat16)
+    spec = KVLayout(1, kv_heads, head_dim, block_size, torch.bfloat16)
     cache = KVCache(spec, 200, "cuda")
     perm = (torch.randperm(199) + 1).tolist()
     tables, start = [], 0
@@ -298,7 +299,7 @@ def test_flashinfer_attention_matches_torch(phase, split_kv):
     v = torch.randn_like(k)
     from splitserve.workers.attention.base import AttentionSpec
 
-    layer = AttentionSpec(0, heads, kv_heads, head_dim, head_dim**-0.5)
+    layer = AttentionSpec(0, heads, head_dim**-0.5)
     fi = flashinfer_backend.FlashInferAttentionBackend(
         heads, kv_heads, head_dim, torch.bfloat16, torch.device("cuda"), split_kv_max_batch=split_kv
     )
@@ -321,13 +322,14 @@ def test_split_kv_decode_norms_and_rotates_q_and_k_up_to_16_requests(batch, monk
     flashinfer_backend = pytest.importorskip("splitserve.workers.attention.flashinfer_backend")
     from splitserve.workers.attention import base
     from splitserve.workers.attention.base import QKNormRope
-    from splitserve.workers.kv_cache import KVCache, KVCacheSpec
-    from splitserve.workers.layers.attention import Attention
+    from splitserve.workers.kv.cache import KVCache
+    from splitserve.workers.kv.layout import KVLayout
+    from splitserve.workers.model.layers.attention import Attention
 
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size = 32, 8, 128, 16
     context = [37 * (i + 1) for i in range(batch)]
-    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, torch.bfloat16)
+    spec = KVLayout(1, kv_heads, head_dim, block_size, torch.bfloat16)
     cache = KVCache(spec, 800, "cuda")
     cache.k[0][1:] = torch.randn_like(cache.k[0][1:])
     cache.v[0][1:] = torch.randn_like(cache.v[0][1:])

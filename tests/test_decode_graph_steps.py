@@ -4,13 +4,14 @@ itself is checked on a GPU in ``test_cuda_graphs.py``."""
 import torch
 
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
-from splitserve.workers.cuda_graphs.decode_runner import DecodeGraphRunner
-from splitserve.workers.input_batch import StepRequest
-from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.kv.layout import KVLayout
+from splitserve.workers.runner.cuda_graphs.decode_runner import DecodeGraphRunner
+from splitserve.workers.runner.input_batch import StepRequest
 
 
 def runner(num_blocks: int = 8) -> DecodeGraphRunner:
-    cache = KVCache(KVCacheSpec(1, 1, 8, 4, torch.float32), 8, "cpu")
+    cache = KVCache(KVLayout(1, 1, 8, 4, torch.float32), 8, "cpu")
     cache.num_blocks = num_blocks  # only counted: the slots the staged rows must hold
     sizes = [1, 2, 4]
     return DecodeGraphRunner(None, TorchAttentionBackend(), cache, sizes, 8, torch.device("cpu"))

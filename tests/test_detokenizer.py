@@ -2,9 +2,9 @@ import random
 
 import pytest
 
-from splitserve.workers.detokenizer import MAX_PENDING, IncrementalDetokenizer
-from splitserve.workers.stop_checker import find_stop_string, stop_holdback
-from splitserve.workers.tokenizer import tiny_tokenizer
+from splitserve.workers.model.tokenizer import tiny_tokenizer
+from splitserve.workers.output.detokenizer import MAX_PENDING, IncrementalDetokenizer
+from splitserve.workers.output.stop_checker import find_stop_string, stop_holdback
 
 TEXT = "你好 🙂 naïve"
 

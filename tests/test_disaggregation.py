@@ -14,10 +14,10 @@ import torch
 
 from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from splitserve.errors import InvalidRequestError
+from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.request import RequestStatus
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.engine import LLMEngine
-from splitserve.workers.kv_transfer.ticket import TransferTicket, token_slots
+from splitserve.workers.engine.llm_engine import LLMEngine
+from splitserve.workers.kv.transfer.ticket import TransferTicket, token_slots
 from tests import checkpoints
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -61,7 +61,7 @@ def pair(checkpoint, request):
 def test_the_transfer_settings_reach_the_transport(checkpoint, monkeypatch):
     """The config's NCCL settings and the worker's id go to the transport factory; the
     CPU transport writes the id into its tickets."""
-    import splitserve.workers.engine as engine_module
+    import splitserve.workers.engine.llm_engine as engine_module
 
     made = {}
     real = engine_module.make_kv_transport
@@ -133,7 +133,7 @@ class Handoff:
 
 def _slots_content(engine: LLMEngine, block_ids, start: int, end: int) -> list[torch.Tensor]:
     slots = token_slots(block_ids, engine.kv_cache.block_size, start, end)
-    spec = engine.kv_cache.spec
+    spec = engine.kv_cache.layout
     return [
         t.view(-1, spec.num_kv_heads, spec.head_dim)[slots]
         for layer in range(engine.num_transfer_layers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from benchmarks.engine_loop import WARMUP_STEPS, LoopBench
 from benchmarks.model_step import CONTEXT
 from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.workers.engine import LLMEngine
+from splitserve.workers.engine.llm_engine import LLMEngine
 
 
 def test_decode_times_the_whole_batch_and_counts_its_contexts():

@@ -13,8 +13,8 @@ pytest.importorskip("cupy")
 if not torch.cuda.is_available():
     pytest.skip("needs a GPU", allow_module_level=True)
 
-from splitserve.workers.kv_transfer import event_pool  # noqa: E402
-from splitserve.workers.kv_transfer.event_pool import EventPool, record, wait  # noqa: E402
+from splitserve.workers.kv.transfer import event_pool  # noqa: E402
+from splitserve.workers.kv.transfer.event_pool import EventPool, record, wait  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

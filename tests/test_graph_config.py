@@ -6,7 +6,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.config import CudaGraphConfig, EngineConfig
-from splitserve.workers.cuda_graphs.owner import bucket
+from splitserve.workers.runner.cuda_graphs.owner import bucket
 from tests import checkpoints
 
 

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from splitserve.workers.kv_cache import KVCache, KVCacheSpec
-from splitserve.workers.kv_transfer.cpu_transport import CpuKVTransport
-from splitserve.workers.kv_transfer.ticket import (
-    KVLayout,
+from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.kv.layout import KVLayout
+from splitserve.workers.kv.transfer.cpu_transport import CpuKVTransport
+from splitserve.workers.kv.transfer.ticket import (
     TransferDone,
     TransferTicket,
     token_slots,
@@ -20,7 +20,7 @@ NUM_LAYERS, HEADS, DIM = 3, 2, 8
 
 
 def _cache(block_size: int, num_blocks: int = 32, dtype=torch.float32, heads=HEADS) -> KVCache:
-    cache = KVCache(KVCacheSpec(NUM_LAYERS, heads, DIM, block_size, dtype), num_blocks, "cpu")
+    cache = KVCache(KVLayout(NUM_LAYERS, heads, DIM, block_size, dtype), num_blocks, "cpu")
     gen = torch.Generator().manual_seed(block_size)
     for t in cache.k + cache.v:
         t[1:] = torch.randn(t[1:].shape, generator=gen).to(dtype)  # page 0 stays zero
@@ -187,7 +187,10 @@ def test_layout_mismatch_is_a_clear_error(pair):
 
 
 def test_ticket_round_trips_through_msgpack():
-    t = TransferTicket("r", "10.0.0.1:5000", [1, 2], 16, 3, 20, 36, KVLayout(8, 128, "bfloat16"))
+    t = TransferTicket(
+        "r", "10.0.0.1:5000", [1, 2], 3, 20, 36, KVLayout(37, 8, 128, 16, torch.bfloat16)
+    )
+    assert t.block_size == 16
     assert TransferTicket.unpack(t.pack()) == t
 
 
@@ -195,7 +198,7 @@ def test_ticket_round_trips_through_msgpack():
 @pytest.mark.parametrize("cap", [1, 2, 3, 8, 36, 64])
 @pytest.mark.parametrize("num_layers", [0, 1, 4, 36, 61])
 def test_nccl_message_plan_covers_every_layer_once_in_order(cap, num_layers, first):
-    from splitserve.workers.kv_transfer.nccl_pair import message_plan
+    from splitserve.workers.kv.transfer.nccl_pair import message_plan
 
     plan = message_plan(cap, num_layers, first)
     layers = [start + j for start, n in plan for j in range(n)]
@@ -208,7 +211,7 @@ def test_nccl_message_plan_covers_every_layer_once_in_order(cap, num_layers, fir
 
 
 def test_nccl_message_plan_grows_then_shrinks():
-    from splitserve.workers.kv_transfer.nccl_pair import message_plan
+    from splitserve.workers.kv.transfer.nccl_pair import message_plan
 
     assert [n for _, n in message_plan(8, 36)] == [1, 2, 4, 8, 8, 6, 4, 2, 1]
     assert [n for _, n in message_plan(1, 3)] == [1, 1, 1]
@@ -225,7 +228,7 @@ def test_nccl_messages_stay_under_the_byte_cap_for_long_prompts(tokens):
     """Qwen3-8B's KV (36 layers, 8 KV heads, head dim 128, bf16): up to 4k tokens the
     plan is the layer cap's; beyond, messages shrink to 128 MiB, and to one layer once a
     layer is larger."""
-    from splitserve.workers.kv_transfer.nccl_pair import message_plan, transfer_plan
+    from splitserve.workers.kv.transfer.nccl_pair import message_plan, transfer_plan
 
     layer_bytes, cap_bytes = 2 * tokens * 8 * 128 * 2, 128 << 20
     plan = transfer_plan(36, layer_bytes, 8, 1, cap_bytes)
@@ -240,7 +243,7 @@ def test_nccl_messages_stay_under_the_byte_cap_for_long_prompts(tokens):
 
 
 def test_nccl_messages_alternate_between_the_pair_lanes():
-    from splitserve.workers.kv_transfer.nccl_pair import Lane, Pair
+    from splitserve.workers.kv.transfer.nccl_pair import Lane, Pair
 
     lanes = [Lane(None, None), Lane(None, None)]
     pair = Pair("p->d#1", lanes, 1, None)
@@ -250,7 +253,7 @@ def test_nccl_messages_alternate_between_the_pair_lanes():
 
 
 def test_nccl_unique_ids_split_per_lane():
-    from splitserve.workers.kv_transfer.nccl_pair import ID_BYTES, split_ids
+    from splitserve.workers.kv.transfer.nccl_pair import ID_BYTES, split_ids
 
     ids = bytes(range(ID_BYTES)) + bytes(ID_BYTES)
     assert split_ids(ids) == [bytes(range(ID_BYTES)), bytes(ID_BYTES)]
@@ -282,7 +285,7 @@ class _Event:
 
 
 def test_nccl_wait_event_returns_on_completion_and_gives_up_at_deadline_or_abort():
-    from splitserve.workers.kv_transfer.nccl_pair import Pair, wait_event
+    from splitserve.workers.kv.transfer.nccl_pair import Pair, wait_event
 
     pair = Pair("k", [], 1, None)
     event = _Event(polls=50)
@@ -297,7 +300,7 @@ def test_nccl_wait_event_returns_on_completion_and_gives_up_at_deadline_or_abort
 
 
 def test_nccl_pair_check_open_raises_once_aborted():
-    from splitserve.workers.kv_transfer.nccl_pair import Pair
+    from splitserve.workers.kv.transfer.nccl_pair import Pair
 
     pair = Pair("p->d#1", [], 1, None)
     pair.check_open()

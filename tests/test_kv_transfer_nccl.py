@@ -20,9 +20,10 @@ ray = pytest.importorskip("ray")
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 GPUs", allow_module_level=True)
 
-from splitserve.workers.kv_cache import KVCache, KVCacheSpec  # noqa: E402
-from splitserve.workers.kv_transfer.registry import make_kv_transport  # noqa: E402
-from splitserve.workers.kv_transfer.ticket import (  # noqa: E402
+from splitserve.workers.kv.cache import KVCache  # noqa: E402
+from splitserve.workers.kv.layout import KVLayout  # noqa: E402
+from splitserve.workers.kv.transfer.registry import make_kv_transport  # noqa: E402
+from splitserve.workers.kv.transfer.ticket import (  # noqa: E402
     TransferDone,
     TransferTicket,
     token_slots,
@@ -42,7 +43,7 @@ class Side:
         # Ray runs methods on several threads: name the device everywhere, never rely
         # on a thread's current one.
         self.device = torch.device("cuda", device)
-        spec = KVCacheSpec(NUM_LAYERS, HEADS, DIM, block_size, torch.bfloat16)
+        spec = KVLayout(NUM_LAYERS, HEADS, DIM, block_size, torch.bfloat16)
         self.cache = KVCache(spec, num_blocks, self.device)
         gen = torch.Generator(device=self.device).manual_seed(seed)
         for t in self.cache.k + self.cache.v:  # page 0 stays zero

@@ -19,10 +19,10 @@ import torch
 
 from splitserve.kernels import ops
 from splitserve.kernels.moe_routing import softmax_topk as reference_softmax_topk
-from splitserve.workers.layers.layernorm import RMSNorm
-from splitserve.workers.layers.mlp import GatedMLP
-from splitserve.workers.layers.moe import Experts, GroupedTopKRouter, MoEBlock, SoftmaxRouter
-from splitserve.workers.layers.rotary_embedding import get_rope
+from splitserve.workers.model.layers.layernorm import RMSNorm
+from splitserve.workers.model.layers.mlp import GatedMLP
+from splitserve.workers.model.layers.moe import Experts, GroupedTopKRouter, MoEBlock, SoftmaxRouter
+from splitserve.workers.model.layers.rotary_embedding import get_rope
 from tests.kernels.utils import prefill_then_decode, prompts, tiny_model
 
 pytestmark = [

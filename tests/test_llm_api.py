@@ -144,7 +144,7 @@ def test_step_outputs_stream_deltas_and_count_tokens(llm):
 
 def test_delta_outputs_carry_only_what_is_new(llm):
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from splitserve.workers.engine import LLMEngine
+    from splitserve.workers.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         device="cpu",

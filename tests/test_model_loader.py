@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitserve.config import resolve_dtype
-from splitserve.workers.model_loader import list_presets, load_hf_config, load_model
+from splitserve.workers.model.loader import list_presets, load_hf_config, load_model
 from tests.checkpoints import (
     append_shard,
     drop_tensors,
@@ -111,7 +111,7 @@ def test_no_safetensors_is_an_error(qwen3_dir, copy_of):
 def test_unexpected_tensors_are_logged_not_fatal(qwen3_dir, copy_of, caplog):
     path = copy_of(qwen3_dir)
     append_shard(path, "extra.safetensors", {"model.layers.0.mystery.weight": torch.ones(3)})
-    with caplog.at_level(logging.WARNING, logger="splitserve.workers.model_loader"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.workers.model.loader"):
         model = load(path)
     assert "model.layers.0.mystery.weight" in caplog.text
     assert torch.isfinite(logits_of(model)).all()
@@ -202,7 +202,7 @@ def test_bfloat16_load(glm_dir):
     assert model.model.rotary_emb.cos.dtype == torch.float32
     runner = Runner(model, block_size=4)
     runner.kv_cache = type(runner.kv_cache)(
-        model.kv_spec.cache_spec(4, torch.bfloat16), runner.kv_cache.num_blocks, "cpu"
+        model.kv_layout.with_storage(4, torch.bfloat16), runner.kv_cache.num_blocks, "cpu"
     )
     got = torch.cat(runner.step(prompts(), [0, 0, 0]))
     ref = logits_of(load(glm_dir))

@@ -29,7 +29,7 @@ def test_step_bench_hands_out_fresh_blocks_and_starts_over_after_reset():
     are done) the timed steps start from block 1 again instead of running out."""
     from benchmarks.model_step import StepBench
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
-    from splitserve.workers.engine import LLMEngine
+    from splitserve.workers.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(
         EngineConfig(

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
-from splitserve.workers.input_batch import StepRequest, build_forward_batch
-from splitserve.workers.kv_cache import KVCache
-from splitserve.workers.model_loader import load_hf_config, load_model
+from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.model.loader import load_hf_config, load_model
+from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch
 from tests.checkpoints import (
     load_reference,
     read_tensor,
@@ -68,7 +68,7 @@ class Runner:
         self.model, self.block_size = model, block_size
         blocks_per_seq = -(-max_len // block_size)
         num_blocks = 1 + blocks_per_seq * len(PROMPT_LENS)
-        cache_spec = model.kv_spec.cache_spec(block_size, torch.float32)
+        cache_spec = model.kv_layout.with_storage(block_size, torch.float32)
         self.kv_cache = KVCache(cache_spec, num_blocks, "cpu")
         free = list(range(1, num_blocks))
         random.Random(block_size).shuffle(free)
@@ -127,13 +127,13 @@ def test_chunked_prefill_and_decode_match_transformers(pair):
     assert runner.kv_cache.null_page_is_zero()
 
 
-def test_kv_spec_counts_mtp_layer(pair):
+def test_kv_layout_counts_mtp_layer(pair):
     ours, hf, _ = pair
     config = hf.config
     extra = 1 if config.model_type == "glm4_moe" else 0
     assert ours.num_kv_layers == config.num_hidden_layers + extra
-    assert ours.kv_spec.num_kv_heads == config.num_key_value_heads
-    assert ours.kv_spec.head_dim == config.head_dim
+    assert ours.kv_layout.num_kv_heads == config.num_key_value_heads
+    assert ours.kv_layout.head_dim == config.head_dim
 
 
 def test_weights_are_the_checkpoints(pair):
@@ -212,7 +212,7 @@ def test_rotary_matches_transformers(rope):
         apply_rotary_pos_emb,
     )
 
-    from splitserve.workers.layers.rotary_embedding import get_rope
+    from splitserve.workers.model.layers.rotary_embedding import get_rope
     from tests.checkpoints import glm4_moe_config
 
     config = glm4_moe_config()
@@ -228,7 +228,7 @@ def test_rotary_matches_transformers(rope):
 
 
 def test_unsupported_rope_type_is_named():
-    from splitserve.workers.layers.rotary_embedding import get_rope
+    from splitserve.workers.model.layers.rotary_embedding import get_rope
     from tests.checkpoints import qwen3_config
 
     config = qwen3_config()
@@ -242,7 +242,7 @@ def test_unsupported_rope_type_is_named():
 def test_legacy_top_level_rope_fields():
     from types import SimpleNamespace
 
-    from splitserve.workers.layers.rotary_embedding import rope_parameters
+    from splitserve.workers.model.layers.rotary_embedding import rope_parameters
 
     old = SimpleNamespace(rope_theta=5e5, partial_rotary_factor=0.5, rope_scaling=None)
     assert rope_parameters(old) == {
@@ -344,8 +344,8 @@ def test_qkv_lets_attention_start_at_once_only_when_attention_follows_it():
     kernel is attention, which norms and rotates q/k itself (split-KV at one request)."""
     from types import SimpleNamespace
 
-    from splitserve.workers.layers.decoder import RopeAttention
-    from splitserve.workers.layers.rotary_embedding import RotaryEmbedding
+    from splitserve.workers.model.layers.decoder import RopeAttention
+    from splitserve.workers.model.layers.rotary_embedding import RotaryEmbedding
 
     class Fusing(TorchAttentionBackend):
         def fuses_norm_rope(self, forward_batch) -> bool:
@@ -362,7 +362,7 @@ def test_qkv_lets_attention_start_at_once_only_when_attention_follows_it():
 def test_lm_head_gives_logits_in_the_models_dtype():
     """No float32 copy of the logits: a plain greedy batch takes their argmax as they are,
     and the sampler casts them where it edits them (``sampler.py``)."""
-    from splitserve.workers.layers.embedding import LMHead
+    from splitserve.workers.model.layers.embedding import LMHead
 
     head = LMHead(vocab_size=11, hidden=8).to(torch.bfloat16)
     torch.nn.init.normal_(head.weight)

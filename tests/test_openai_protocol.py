@@ -29,10 +29,10 @@ from splitserve.cluster.openai_api import (
     sse_stream,
 )
 from splitserve.cluster.openai_api.logprobs import CompletionLogprobs, TokenTexts
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.outputs import CompletionOutput, RequestOutput
-from splitserve.workers.sampler import TokenLogprobs
-from splitserve.workers.tokenizer import tiny_tokenizer
+from splitserve.sampling_params import SamplingParams
+from splitserve.workers.model.tokenizer import tiny_tokenizer
+from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
+from splitserve.workers.sampling.sampler import TokenLogprobs
 
 TOK = tiny_tokenizer()
 VOCAB = 512  # the tiny presets' embedding rows (the tokenizer has fewer)

@@ -8,12 +8,13 @@ from splitserve.workers.attention.flashinfer_backend import (
     tensor_core_decode,
 )
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
-from splitserve.workers.input_batch import StepRequest, build_forward_batch
-from splitserve.workers.kv_cache import KVCache, KVCacheSpec
+from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.kv.layout import KVLayout
+from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch
 
 
 def test_index_of_a_mixed_step_lists_only_the_pages_in_use():
-    cache = KVCache(KVCacheSpec(1, 1, 4, 16, torch.float32), 16, "cpu")
+    cache = KVCache(KVLayout(1, 1, 4, 16, torch.float32), 16, "cpu")
     steps = [
         StepRequest([7] * 10, 17, [3, 4, 9], sample=True),  # 27 tokens: 2 pages, 11 in the last
         StepRequest([5], 32, [5, 6, 8], sample=True),  # 33 tokens: 3 pages, 1 in the last
@@ -30,7 +31,7 @@ def test_index_of_a_mixed_step_lists_only_the_pages_in_use():
 
 
 def test_packed_inputs_match_the_block_tables():
-    cache = KVCache(KVCacheSpec(1, 1, 4, 4, torch.float32), 16, "cpu")
+    cache = KVCache(KVLayout(1, 1, 4, 4, torch.float32), 16, "cpu")
     steps = [StepRequest([7, 8, 9], 2, [6, 3], sample=True), StepRequest([4], 0, [5], True)]
     fb = build_forward_batch(steps, cache, TorchAttentionBackend(), "cpu", plan=False)
     assert fb.input_ids.tolist() == [7, 8, 9, 4]
@@ -43,7 +44,7 @@ def test_packed_inputs_match_the_block_tables():
 
 
 def test_sampled_rows_are_a_view_when_consecutive():
-    cache = KVCache(KVCacheSpec(1, 1, 4, 4, torch.float32), 16, "cpu")
+    cache = KVCache(KVLayout(1, 1, 4, 4, torch.float32), 16, "cpu")
     decode = [StepRequest([t], 5, [1, 2], sample=True) for t in (3, 4, 5)]
     prefills = [StepRequest([1, 2, 3], 0, [1], sample=True), StepRequest([4, 5, 6], 0, [2], True)]
     for steps, rows, view in ((decode, [0, 1, 2], True), (prefills, [2, 5], False)):
@@ -56,7 +57,7 @@ def test_sampled_rows_are_a_view_when_consecutive():
 
 
 def _batch(steps, dtype=torch.bfloat16):
-    cache = KVCache(KVCacheSpec(1, 1, 4, 16, dtype), 16, "cpu")
+    cache = KVCache(KVLayout(1, 1, 4, 16, dtype), 16, "cpu")
     return build_forward_batch(steps, cache, TorchAttentionBackend(), "cpu", plan=False)
 
 
@@ -81,7 +82,7 @@ def test_torch_graph_index_comes_from_the_padded_host_lists():
     row attends one key of the null page, whatever the batch's device tables hold."""
     import dataclasses
 
-    cache = KVCache(KVCacheSpec(1, 1, 4, 4, torch.float32), 16, "cpu")
+    cache = KVCache(KVLayout(1, 1, 4, 4, torch.float32), 16, "cpu")
     backend = TorchAttentionBackend()
     steps = [StepRequest([1], 5, [3, 7], True), StepRequest([2], 2, [9], True)]
     fb = build_forward_batch(steps, cache, backend, "cpu")

@@ -4,7 +4,7 @@ after the device ran the work queued on it."""
 import pytest
 import torch
 
-from splitserve.workers.pinned_ring import PinnedRing
+from splitserve.workers.runner.pinned_ring import PinnedRing
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,34 +4,34 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.cluster import routing
 from splitserve.cluster.autoscaling import PoolAutoscalingPolicy
+from splitserve.cluster.routing import RouterConfig, WorkerLoad
 from splitserve.cluster.serve_command import default_config_path
 from splitserve.cluster.serve_config import ServeConfig
-from splitserve.scheduler import router
-from splitserve.scheduler.router import RouterConfig, WorkerLoad
 
 
 def test_routes_follow_prompt_length_and_pools():
     cfg = RouterConfig(local_prompt_tokens=32)
-    assert router.choose_route(cfg, 32, True, True, False) == router.LOCAL_SHORT
-    assert router.choose_route(cfg, 33, True, True, False) == router.DISAGGREGATED
-    assert router.choose_route(cfg, 10, True, True, True) == router.LOCAL_MIXED
-    assert router.choose_route(cfg, 500, True, True, True) == router.DISAGGREGATED
-    assert router.choose_route(cfg, 500, False, True, True) == router.LOCAL_MIXED
+    assert routing.choose_route(cfg, 32, True, True, False) == routing.LOCAL_SHORT
+    assert routing.choose_route(cfg, 33, True, True, False) == routing.DISAGGREGATED
+    assert routing.choose_route(cfg, 10, True, True, True) == routing.LOCAL_MIXED
+    assert routing.choose_route(cfg, 500, True, True, True) == routing.DISAGGREGATED
+    assert routing.choose_route(cfg, 500, False, True, True) == routing.LOCAL_MIXED
     with pytest.raises(ValueError, match="no worker can serve"):
-        router.choose_route(cfg, 500, True, False, False)
+        routing.choose_route(cfg, 500, True, False, False)
 
 
 def test_replica_ranking_uses_live_load():
     cfg = RouterConfig()
     idle = WorkerLoad(queued_prompt_tokens=0, num_free_blocks=10)
     busy = WorkerLoad(queued_prompt_tokens=4000, num_free_blocks=100)
-    assert router.prefill_cost(idle, 0) < router.prefill_cost(busy, 0)
-    assert router.prefill_cost(idle, 5000) > router.prefill_cost(busy, 0)  # routed, unreported
+    assert routing.prefill_cost(idle, 0) < routing.prefill_cost(busy, 0)
+    assert routing.prefill_cost(idle, 5000) > routing.prefill_cost(busy, 0)  # routed, unreported
     light = WorkerLoad(num_running=2, kv_usage=0.5)
     heavy = WorkerLoad(num_running=9, kv_usage=0.5)
     full = WorkerLoad(num_running=0, kv_usage=0.99)
-    ranked = sorted([full, heavy, light], key=lambda w: router.decode_cost(cfg, w, 0))
+    ranked = sorted([full, heavy, light], key=lambda w: routing.decode_cost(cfg, w, 0))
     assert ranked == [light, heavy, full]
     assert WorkerLoad.from_stats({"num_running": 3, "role": "decode"}).num_running == 3
 

@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
+from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.request import Request
-from splitserve.scheduler.sampling_params import SamplingParams
-from splitserve.workers.logits_processors import apply_penalties
-from splitserve.workers.sampler import Sampler, filter_logits
-from splitserve.workers.tokenizer import tiny_tokenizer
+from splitserve.workers.model.tokenizer import tiny_tokenizer
+from splitserve.workers.sampling.logits_processors import apply_penalties
+from splitserve.workers.sampling.sampler import Sampler, filter_logits
 
 N_DRAWS = 20_000
 TOL = 0.015  # ~4 standard deviations of a frequency over 20k draws

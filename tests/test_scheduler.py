@@ -9,11 +9,10 @@ from collections import Counter
 import pytest
 
 from splitserve.config import SchedulerConfig
-from splitserve.scheduler.block_manager import BlockManager
+from splitserve.sampling_params import SamplingParams
+from splitserve.scheduler.block_manager import NULL_BLOCK, BlockManager
 from splitserve.scheduler.request import Request, RequestStatus
-from splitserve.scheduler.sampling_params import SamplingParams
 from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput, will_sample
-from splitserve.workers.kv_cache import NULL_BLOCK
 
 BS = 4
 TOKEN = 7
@@ -342,8 +341,8 @@ def test_no_block_leaks_under_random_load(seed, chunked):
 
 
 def test_token_ids_between_equals_a_slice_of_all_tokens():
+    from splitserve.sampling_params import SamplingParams
     from splitserve.scheduler.request import Request
-    from splitserve.scheduler.sampling_params import SamplingParams
 
     req = Request("r", [1, 2, 3, 4], SamplingParams())
     req.output_token_ids = [5, 6, 7]

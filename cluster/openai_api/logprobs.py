@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.workers.sampler import TokenLogprobs
+from splitserve.workers.sampling.sampler import TokenLogprobs
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces

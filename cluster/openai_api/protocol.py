@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from splitserve.cluster.openai_api.errors import invalid_request
-from splitserve.scheduler.sampling_params import SamplingParams
+from splitserve.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant")

@@ -27,8 +27,8 @@ from typing import Any
 from splitserve.cluster.openai_api.errors import OpenAIError, error_body, request_failed
 from splitserve.cluster.openai_api.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts
 from splitserve.cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from splitserve.workers.outputs import CompletionOutput, RequestOutput
-from splitserve.workers.sampler import TokenLogprobs
+from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
+from splitserve.workers.sampling.sampler import TokenLogprobs
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -13,8 +13,8 @@ from splitserve.kernels import ops
 from splitserve.kernels.triton import gate_up_silu as tri
 from splitserve.kernels.triton.activation import silu_and_mul
 from splitserve.kernels.triton.device import medium_batch_kernels
-from splitserve.workers.layers.layernorm import RMSNorm
-from splitserve.workers.layers.mlp import GatedMLP
+from splitserve.workers.model.layers.layernorm import RMSNorm
+from splitserve.workers.model.layers.mlp import GatedMLP
 from tests.kernels.test_linear import _interpreter_bf16_dot  # noqa: F401 - autouse fixture
 from tests.kernels.utils import DEVICE, assert_close, count_launches, randn
 

@@ -20,7 +20,7 @@ from splitserve.kernels.triton.activation import silu_and_mul
 from splitserve.kernels.triton.device import medium_batch_kernels
 from splitserve.kernels.triton.linear import LinearConfig, default_config
 from splitserve.kernels.triton.rmsnorm import rms_norm
-from splitserve.workers.layers.linear import Linear, MergedLinear
+from splitserve.workers.model.layers.linear import Linear, MergedLinear
 from tests.kernels.utils import (
     DEVICE,
     ON_GPU,

@@ -30,7 +30,7 @@ def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def tiny_model(preset: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
     """A random-init tiny preset (weights drawn on the host: equal on every device)."""
-    from splitserve.workers.model_loader import load_hf_config, load_model
+    from splitserve.workers.model.loader import load_hf_config, load_model
 
     config, _ = load_hf_config(preset)
     return load_model(config, None, dtype, device)
@@ -41,14 +41,14 @@ def prefill_then_decode(model: torch.nn.Module, prompts: list[list[int]]) -> tor
     """float32 logits of a packed prefill of ``prompts`` (every position), then of one
     decode step per prompt (token 7), concatenated; on the model's device and dtype."""
     from splitserve.workers.attention.torch_backend import TorchAttentionBackend
-    from splitserve.workers.input_batch import StepRequest, build_forward_batch
-    from splitserve.workers.kv_cache import KVCache
+    from splitserve.workers.kv.cache import KVCache
+    from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch
 
     param = next(model.parameters())
     block_size = 4
     blocks_per_seq = max(len(p) for p in prompts) // block_size + 1
     cache = KVCache(
-        model.kv_spec.cache_spec(block_size, param.dtype),
+        model.kv_layout.with_storage(block_size, param.dtype),
         1 + blocks_per_seq * len(prompts),
         param.device,
     )

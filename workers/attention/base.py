@@ -16,17 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.kernels.ops import qk_norm_rope
-from splitserve.workers.forward_batch import ForwardBatch
+from splitserve.workers.runner.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What a backend needs to know about one attention layer."""
+    """What a backend needs to know about one attention layer beyond the KV cache's
+    layout (``KVLayout``, on ``forward_batch.kv_cache``): which layer, its query heads
+    and its softmax scale."""
 
     layer_id: int
     num_heads: int
-    num_kv_heads: int
-    head_dim: int
     scale: float
 
 

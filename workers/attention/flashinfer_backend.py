@@ -41,9 +41,9 @@ import torch
 from splitserve.kernels.ops import store_kv
 from splitserve.kernels.triton.decode_attention import NORM_ROPE_MAX_BATCH, decode_attention
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec, QKNormRope
-from splitserve.workers.forward_batch import ForwardBatch, Phase
-from splitserve.workers.input_batch import padded_block_tables
-from splitserve.workers.kv_cache import KVCache
+from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
+from splitserve.workers.runner.input_batch import padded_block_tables
 
 HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 WORKSPACE_BYTES = 256 << 20
@@ -100,7 +100,7 @@ def attends_own_kv(fb: ForwardBatch, dtype: torch.dtype) -> bool:
     keeps K/V as computed (``dtype``): its attention can read the step's own K/V."""
     return (
         fb.phase == Phase.PREFILL
-        and fb.kv_cache.spec.dtype == dtype
+        and fb.kv_cache.layout.dtype == dtype
         and fb.query_lens == fb.seq_lens
     )
 
@@ -213,7 +213,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             causal=True,
             sm_scale=self.head_dim**-0.5,
             q_data_type=self.dtype,
-            kv_data_type=fb.kv_cache.spec.dtype,
+            kv_data_type=fb.kv_cache.layout.dtype,
         )
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
@@ -231,7 +231,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         return (
             fb.phase == Phase.DECODE
             and batch <= self.split_kv_max_batch
-            and fb.kv_cache.spec.dtype == self.dtype
+            and fb.kv_cache.layout.dtype == self.dtype
         )
 
     def _can_run_ragged(self, fb: ForwardBatch) -> bool:
@@ -254,7 +254,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_cache.block_size,
             sm_scale=self.head_dim**-0.5,
             q_data_type=self.dtype,
-            kv_data_type=kv_cache.spec.dtype,
+            kv_data_type=kv_cache.layout.dtype,
         )
 
     def forward(

@@ -8,6 +8,7 @@ import torch
 
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
+from splitserve.workers.kv.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -18,11 +19,11 @@ def make_attention_backend(
     name: str,
     device: torch.device,
     num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
+    layout: KVLayout,
 ) -> AttentionBackend:
-    """``auto``: FlashInfer on a GPU when it serves this shape and dtype, else torch."""
+    """``auto``: FlashInfer on a GPU when it serves this shape and dtype, else torch.
+    ``num_heads``: query heads; ``layout``: the KV cache the backend reads."""
+    head_dim, dtype = layout.head_dim, layout.dtype
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; accepted: {', '.join(BACKENDS)}")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
@@ -44,4 +45,4 @@ def make_attention_backend(
                 dtype,
             )
             return TorchAttentionBackend()
-    return FlashInferAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, device)
+    return FlashInferAttentionBackend(num_heads, layout.num_kv_heads, head_dim, dtype, device)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from splitserve.kernels.ops import store_kv
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec, QKNormRope
-from splitserve.workers.forward_batch import ForwardBatch, Phase
-from splitserve.workers.input_batch import padded_block_tables, to_device
+from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
+from splitserve.workers.runner.input_batch import padded_block_tables, to_device
 
 MAX_GRAPH_GATHER_BLOCKS = 1 << 14  # decode graphs gather all of max_model_len per request
 
@@ -101,8 +101,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
         store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
         meta: TorchAttentionMetadata = forward_batch.attn_metadata
-        flat_k = k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
-        flat_v = v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [slots, kv_heads, head_dim]
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
         if forward_batch.phase == Phase.DECODE:
             keys, values = flat_k[meta.gather_index], flat_v[meta.gather_index]
             return _attend(q[:, None], keys, values, meta.key_mask[:, None, :], layer)[:, 0]

@@ -1,0 +1,97 @@
+"""One owner for every CUDA graph of a worker.
+
+Decode graphs, piecewise prefill graphs and (later) MTP draft graphs register
+here. They share one memory pool and one capture stream, are captured together
+(largest size first, with a progress bar and the memory they took logged) and
+are dropped together: ``clear()`` runs before weights are freed or reloaded,
+because a graph keeps the addresses of the weights it was captured with. The
+next step that could use a graph captures them again.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Protocol
+
+import torch
+from tqdm import tqdm
+
+from splitserve.workers.attention.base import AttentionBackend
+from splitserve.workers.runner.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+CAPTURE_ERROR_MODE = "thread_local"  # a transport thread may use the GPU during a capture
+
+
+class GraphRunner(Protocol):
+    name: str
+
+    def capture_sizes(self) -> list[int]:
+        """Token counts to capture, largest first."""
+
+    def capture(self, size: int, owner: GraphOwner) -> None: ...
+
+    def can_run(self, forward_batch: ForwardBatch) -> bool: ...
+
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of the batch's real tokens, ``[num_tokens, hidden]``."""
+
+    def clear(self) -> None:
+        """Drop every graph and every per-batch buffer or index map."""
+
+
+class GraphOwner:
+    def __init__(self, device: torch.device, attn_backend: AttentionBackend):
+        self.device = device
+        self.attn_backend = attn_backend
+        self.runners: list[GraphRunner] = []
+        self.pool: tuple | None = None
+        self.stream: torch.cuda.Stream | None = None
+        self.captured = False
+
+    def register(self, runner: GraphRunner) -> None:
+        self.runners.append(runner)
+
+    def capture(self) -> None:
+        """Capture every runner's sizes into one pool (largest first)."""
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        jobs = [(r, size) for r in self.runners for size in r.capture_sizes()]
+        with tqdm(jobs, desc="Capturing CUDA graphs", unit="graph") as bar:
+            for runner, size in bar:
+                bar.set_postfix_str(f"{runner.name} {size} tokens")
+                runner.capture(size, self)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "captured %d CUDA graphs (%s) using %.1f MiB",
+            len(jobs),
+            ", ".join(f"{r.name}: {r.capture_sizes()}" for r in self.runners),
+            used / 2**20,
+        )
+        self.captured = True
+
+    def runner_for(self, forward_batch: ForwardBatch) -> GraphRunner | None:
+        return next((r for r in self.runners if r.can_run(forward_batch)), None)
+
+    def clear(self) -> None:
+        """Drop all graphs, their pool and every runner's buffers; capture again on next use."""
+        for runner in self.runners:
+            runner.clear()
+        self.attn_backend.clear_graphs()
+        self.pool = self.stream = None
+        self.captured = False
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def bucket(sizes: list[int], num_tokens: int) -> int:
+    """The smallest captured size that holds ``num_tokens`` (``sizes`` ascending)."""
+    for size in sizes:
+        if size >= num_tokens:
+            return size
+    raise ValueError(f"{num_tokens} tokens exceed the largest captured size {sizes[-1]}")

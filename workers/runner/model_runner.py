@@ -1,0 +1,263 @@
+"""Runs one scheduled step on the device: prepare inputs, forward, logits, sample.
+
+``launch`` queues a step and returns at once (``LaunchedStep.result`` waits for
+its tokens), so the engine can schedule and prepare the next step while the
+device computes; ``execute`` does both.
+
+On a GPU the forward replays CUDA graphs where the step's shape allows (see
+``workers/runner/cuda_graphs``); every other step runs eagerly. The runner also owns
+the weights' lifecycle: ``clear_parameters`` drops every graph and frees the
+weights, ``load_parameters`` brings new ones, and the graphs are captured
+again at the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from splitserve.config import CudaGraphConfig
+from splitserve.scheduler.request import PLACEHOLDER, Request
+from splitserve.scheduler.scheduler import SchedulerOutput, will_sample
+from splitserve.workers.attention.base import AttentionBackend
+from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.runner.cuda_graphs.decode_runner import DecodeGraphRunner
+from splitserve.workers.runner.cuda_graphs.owner import GraphOwner
+from splitserve.workers.runner.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
+from splitserve.workers.runner.forward_batch import ForwardBatch
+from splitserve.workers.runner.input_batch import (
+    StepRequest,
+    build_forward_batch,
+    consecutive,
+    to_device,
+)
+from splitserve.workers.sampling.sampler import SampledTokens, Sampler, TokenLogprobs
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose tokens the host has not read yet."""
+
+    batch: SchedulerOutput
+    sampling: list[Request]  # the requests that sample, in the rows of ``tokens``
+    tokens: SampledTokens | None
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    # Request id -> KV transfer that could not be opened (set by the engine).
+    send_errors: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._rows = {r.request_id: i for i, r in enumerate(self.sampling)}
+
+    def row_of(self, request_id: str) -> int:
+        """The row of ``tokens`` that holds the request's sampled token."""
+        return self._rows[request_id]
+
+    def result(self) -> StepResult:
+        """Wait for the step's tokens on the host."""
+        sampled = {}
+        if self.tokens is not None:
+            out = self.tokens.result()
+            for r, tok, lp in zip(self.sampling, out.token_ids, out.logprobs):
+                sampled[r.request_id] = (tok, lp)
+        return StepResult(sampled, self.num_prefill_tokens, self.num_decode_tokens)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: KVCache,
+        attn_backend: AttentionBackend,
+        sampler: Sampler,
+        device: torch.device,
+        graph_limits: GraphLimits | None = None,
+    ):
+        """``graph_limits`` (on a CUDA device) turns CUDA graphs on."""
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attn_backend = attn_backend
+        self.sampler = sampler
+        self.device = device
+        self.graphs: GraphOwner | None = None
+        self.decode_graphs: DecodeGraphRunner | None = None  # also registered with graphs
+        if graph_limits is not None and device.type == "cuda":
+            self.graphs = self._graph_owner(graph_limits)
+        self._param_shapes: dict[str, torch.Size] = {}
+
+    def _graph_owner(self, limits: GraphLimits) -> GraphOwner:
+        owner = GraphOwner(self.device, self.attn_backend)
+        config = limits.config
+        max_blocks = -(-limits.max_model_len // self.kv_cache.block_size)
+        decode_sizes = [
+            n for n in config.decode_capture_sizes(limits.max_num_seqs) if n <= limits.max_num_seqs
+        ]
+        if decode_sizes and self.attn_backend.supports_decode_graphs(decode_sizes[-1], max_blocks):
+            self.decode_graphs = DecodeGraphRunner(
+                self.model, self.attn_backend, self.kv_cache, decode_sizes, max_blocks, self.device
+            )
+            owner.register(self.decode_graphs)
+        prefill_sizes = [n for n in config.prefill_sizes if n <= limits.max_num_batched_tokens]
+        if config.piecewise and prefill_sizes:
+            owner.register(
+                PiecewiseGraphRunner(
+                    self.model, self.attn_backend, self.kv_cache, prefill_sizes, self.device
+                )
+            )
+        return owner if owner.runners else None
+
+    def capture_graphs(self) -> None:
+        """Capture now (engine start) rather than at the first step that could use them."""
+        if self.graphs is not None and not self.graphs.captured:
+            self.graphs.capture()
+
+    def execute(
+        self, batch: SchedulerOutput, on_layer_stored: Callable[[int], None] | None = None
+    ) -> StepResult:
+        """Run one step and wait for its tokens."""
+        return self.launch(batch, on_layer_stored).result()
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        batch: SchedulerOutput,
+        on_layer_stored: Callable[[int], None] | None = None,
+        previous: LaunchedStep | None = None,
+    ) -> LaunchedStep:
+        """Queue one step on the device: inputs, forward, logits, sampling; wait for nothing.
+
+        A request's pending token (``PLACEHOLDER``, sampled by ``previous``, still
+        in flight) is fed from ``previous``'s tokens on the device. A decode step that
+        a graph holds goes to the graph runner as host rows (``replay_steps``: no
+        copies); any other is built on the device first.
+        """
+        steps = [_step_request(r, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)]
+        graphs = self.decode_graphs
+        if graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps):
+            self.capture_graphs()
+            sources = _pending_sources(steps, batch.requests, previous)
+            in_flight = previous.tokens.token_ids if previous and previous.tokens else None
+            hidden, fb = graphs.replay_steps(steps, sources, in_flight)
+        else:
+            fb = build_forward_batch(
+                steps, self.kv_cache, self.attn_backend, self.device, plan=False
+            )
+            _feed_pending_tokens(fb, steps, batch.requests, previous)
+            fb.on_layer_stored = on_layer_stored
+            hidden = self.forward(fb)
+        logits = self.model.compute_logits(fb.sampled_hidden(hidden))
+        sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
+        tokens = self.sampler.sample(logits, sampling) if sampling else None
+        decode = fb.num_decode_tokens
+        return LaunchedStep(batch, sampling, tokens, fb.num_tokens - decode, decode)
+
+    def forward(self, fb: ForwardBatch, use_graphs: bool = True) -> torch.Tensor:
+        """Hidden states of the step's tokens: a graph replay where one fits, else eager."""
+        if self.graphs is not None and use_graphs:
+            self.capture_graphs()
+            runner = self.graphs.runner_for(fb)
+            if runner is not None:
+                return runner.forward(fb)
+        self.attn_backend.plan(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    # -- weights -------------------------------------------------------------
+
+    def clear_parameters(self) -> None:
+        """Drop every CUDA graph, then free the weights' memory (before a weight update)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+        for name, param in self.model.named_parameters():
+            self._param_shapes[name] = param.shape
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def load_parameters(self, load: Callable[[nn.Module], None]) -> None:
+        """Re-create freed weights at their shapes, then ``load(model)`` fills them.
+
+        Graphs are dropped first in any case (they hold the old addresses) and
+        are captured again at the next step.
+        """
+        if self.graphs is not None:
+            self.graphs.clear()
+        for name, param in self.model.named_parameters():
+            shape = self._param_shapes.get(name)
+            if shape is not None and param.numel() == 0:
+                param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+        self._param_shapes = {}
+        load(self.model)
+
+
+@dataclass(frozen=True)
+class GraphLimits:
+    """What bounds the captured sizes: the graph config and the scheduler's limits."""
+
+    config: CudaGraphConfig
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def _step_request(request: Request, num_tokens: int) -> StepRequest:
+    start = request.num_computed_tokens
+    return StepRequest(
+        new_token_ids=request.token_ids_between(start, start + num_tokens),
+        num_computed=start,
+        block_ids=request.block_ids,
+        sample=will_sample(request, num_tokens),
+    )
+
+
+def _pending_sources(
+    steps: list[StepRequest], requests: list[Request], previous: LaunchedStep | None
+) -> list[int]:
+    """For each request, the row of ``previous``'s tokens that holds its pending token
+    (``PLACEHOLDER``, in flight), or -1. A pending token is always its request's last
+    token, so only a step's last input can be one."""
+    sources = []
+    for step, request in zip(steps, requests):
+        if step.new_token_ids[-1] != PLACEHOLDER:
+            sources.append(-1)
+            continue
+        if previous is None or previous.tokens is None:
+            raise RuntimeError(
+                f"request {request.request_id!r} has a pending token but no step in flight"
+            )
+        sources.append(previous.row_of(request.request_id))
+    return sources
+
+
+def _feed_pending_tokens(
+    fb: ForwardBatch,
+    steps: list[StepRequest],
+    requests: list[Request],
+    previous: LaunchedStep | None,
+) -> None:
+    """Write the in-flight tokens of the previous step into ``fb.input_ids`` on the device."""
+    rows, sources, end = [], [], 0
+    for step, source in zip(steps, _pending_sources(steps, requests, previous)):
+        end += len(step.new_token_ids)
+        if source >= 0:
+            rows.append(end - 1)
+            sources.append(source)
+    if not rows:
+        return
+    tokens = previous.tokens.token_ids
+    dst, src = consecutive(rows), consecutive(sources)
+    if dst is not None and src is not None:  # a steady decode: one copy, no index upload
+        fb.input_ids[dst].copy_(tokens[src])
+        return
+    rows_t, sources_t = to_device([rows, sources], fb.input_ids.device)
+    fb.input_ids[rows_t] = tokens[sources_t]
