@@ -136,7 +136,7 @@ def _slots_content(engine: LLMEngine, block_ids, start: int, end: int) -> list[t
     spec = engine.kv_cache.layout
     return [
         t.view(-1, spec.num_kv_heads, spec.head_dim)[slots]
-        for layer in range(engine.num_transfer_layers)
+        for layer in range(engine.handoff.scheduler.num_layers)
         for t in engine.kv_cache.layer(layer)
     ]
 

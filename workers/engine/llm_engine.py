@@ -14,6 +14,10 @@ Roles change what the loop admits, never the loop:
 - ``decode``: ``add_remote_request`` reserves blocks (an output carries the
   packed ticket), the KV and first token arrive over the transport, and the
   request decodes from there. Short prompts may still be added locally.
+
+The hand-off itself (tickets, holding a sent prompt's blocks until the ack,
+starting sends and sending each layer as it is stored) is ``workers/kv/handoff.py``;
+the engine only turns its events into outputs.
 """
 
 from __future__ import annotations
@@ -28,13 +32,20 @@ from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.block_manager import BlockManager
 from splitserve.scheduler.request import Request, RequestStatus
-from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput, will_sample
+from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from splitserve.workers.attention.registry import make_attention_backend
+from splitserve.workers.engine import admission
 from splitserve.workers.kv.cache import KVCache
-from splitserve.workers.kv.layout import KVLayout
-from splitserve.workers.kv.transfer.base import KVTransport, TransferEvent
+from splitserve.workers.kv.handoff import (
+    HandoffEvent,
+    HandoffFailed,
+    KVHandoff,
+    SendAcked,
+    StepSends,
+)
+from splitserve.workers.kv.transfer.base import KVTransport
 from splitserve.workers.kv.transfer.registry import make_kv_transport
-from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket
+from splitserve.workers.kv.transfer.ticket import TransferTicket
 from splitserve.workers.model.loader import load_checkpoint, load_hf_config, load_model
 from splitserve.workers.model.tokenizer import load_tokenizer, tiny_tokenizer
 from splitserve.workers.output.processor import OutputProcessor
@@ -72,10 +83,10 @@ class LLMEngine:
             seed=config.seed,
             load_format=config.load_format,
         )
-        self.max_model_len = _max_model_len(config, self.hf_config)
-        self.eos_token_ids = _eos_token_ids(self.hf_config, self.tokenizer)
+        self.max_model_len = admission.max_model_len(config, self.hf_config)
+        self.eos_token_ids = admission.eos_token_ids(self.hf_config, self.tokenizer)
         kv_layout = model.kv_layout.with_storage(config.cache.block_size, dtype)
-        num_blocks = _num_kv_blocks(config, kv_layout, self.max_model_len)
+        num_blocks = admission.num_kv_blocks(config, kv_layout, self.max_model_len)
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
         self.block_manager = BlockManager(
             num_blocks, kv_layout.block_size, config.cache.enable_prefix_caching
@@ -104,14 +115,15 @@ class LLMEngine:
         )
         self.last_step = StepStats()
         self.num_preemptions = 0
-        self.num_transfer_layers = self.hf_config.num_hidden_layers  # MTP layers stay local
-        self.kv_transport: KVTransport | None = None
+        self.handoff: KVHandoff | None = None  # prefill and decode workers: the KV hand-off
         if self.role != "mixed":
             kt = config.kv_transfer
             options = {**kt.nccl_options(), **transport_options}
-            self.kv_transport = make_kv_transport(
+            transport = make_kv_transport(
                 kt.transport, self.kv_cache, kt.host, kt.timeout_s, **options
             )
+            num_layers = self.hf_config.num_hidden_layers  # MTP layers stay local
+            self.handoff = KVHandoff(transport, self.scheduler, num_layers)
         self.async_scheduling = config.scheduler.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.device.type == "cuda"
@@ -146,7 +158,9 @@ class LLMEngine:
         """
         request, text = self._new_request(request_id, prompt, params)
         if kv_ticket is not None:
-            request.kv_ticket = self._check_ticket(kv_ticket, request)
+            if self.handoff is None:
+                raise InvalidRequestError(f"a {self.role} worker has no KV transport to send with")
+            request.kv_ticket = self.handoff.scheduler.check_ticket(kv_ticket, request)
         elif self.role == "prefill":
             raise InvalidRequestError(
                 "a prefill worker serves only requests with a KV ticket from a decode worker"
@@ -161,7 +175,7 @@ class LLMEngine:
 
         A later ``step()`` output carries the packed ``kv_ticket`` once blocks are free.
         """
-        if self.kv_transport is None or self.role == "prefill":
+        if self.handoff is None or self.role == "prefill":
             raise InvalidRequestError(
                 f"a {self.role} worker does not receive KV; send remote requests to a decode worker"
             )
@@ -176,9 +190,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort at any point; the request's KV blocks return to the pool."""
-        if self.kv_transport is not None:  # before its blocks can be reused
-            request = self.scheduler.get_request(request_id)
-            self.kv_transport.cancel(request_id, request.kv_ticket if request else None)
+        if self.handoff is not None:  # before its blocks can be reused
+            self.handoff.scheduler.cancel(request_id)
         aborted = self.scheduler.abort_request(request_id)
         self.sampler.release(request_id)
         return aborted
@@ -209,9 +222,13 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         self.runner.capture_graphs()
 
+    @property
+    def kv_transport(self) -> KVTransport | None:
+        return self.handoff.transport if self.handoff is not None else None
+
     def close(self) -> None:
-        if self.kv_transport is not None:
-            self.kv_transport.close()
+        if self.handoff is not None:
+            self.handoff.close()
 
     def _new_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None
@@ -219,7 +236,9 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = admission.tokenize_prompt(
+            prompt, self.tokenizer, self.hf_config.vocab_size, self.max_model_len
+        )
         return Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids), text
 
     def _queue(self, request: Request, text: str | None, add) -> None:
@@ -228,32 +247,6 @@ class LLMEngine:
         except ValueError as e:
             raise InvalidRequestError(str(e)) from e
         self.output_processor.start(request, text)
-
-    def _check_ticket(self, ticket: TransferTicket | bytes, request: Request) -> TransferTicket:
-        if self.kv_transport is None:
-            raise InvalidRequestError(f"a {self.role} worker has no KV transport to send with")
-        if isinstance(ticket, bytes):
-            ticket = TransferTicket.unpack(ticket)
-        problems = []
-        try:
-            self.kv_transport.layout.check_matches(ticket.layout)
-        except ValueError as e:
-            problems.append(str(e))
-        if ticket.num_tokens != request.num_prompt_tokens:
-            problems.append(
-                f"the ticket covers {ticket.num_tokens} tokens, the prompt has "
-                f"{request.num_prompt_tokens}"
-            )
-        if ticket.num_layers != self.num_transfer_layers:
-            problems.append(
-                f"the ticket asks for {ticket.num_layers} layers, the model has "
-                f"{self.num_transfer_layers}"
-            )
-        if ticket.request_id != request.request_id:
-            problems.append(f"the ticket is for request {ticket.request_id!r}")
-        if problems:
-            raise InvalidRequestError("invalid KV ticket: " + "; ".join(problems))
-        return ticket
 
     # -- the loop ------------------------------------------------------------
 
@@ -300,14 +293,12 @@ class LLMEngine:
         )
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
-        sending, send_errors = self._start_sends(batch)
-        hook = self._layer_sender(sending) if sending else None
-        launched = self.runner.launch(batch, hook, previous=self._in_flight)
-        launched.send_errors = send_errors
+        sends = self.handoff.worker.start_sends(batch) if self.handoff else StepSends()
+        launched = self.runner.launch(batch, sends.on_layer_stored, previous=self._in_flight)
+        launched.send_errors = sends.errors
         self.scheduler.advance(batch)
-        for request in launched.sampling:
-            if request.kv_ticket is not None:  # the prompt is done: hand its KV off
-                self.scheduler.hold_for_transfer(request)
+        if self.handoff is not None:
+            self.handoff.scheduler.hold(launched.sampling)  # until the decode worker acks
         return launched
 
     def _read_back(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -320,160 +311,55 @@ class LLMEngine:
             if request.is_finished:  # aborted, or stopped by the step before
                 continue
             token, logprobs = result.sampled[request.request_id]
-            if request.kv_ticket is not None:
-                out = self._hand_off(request, token, logprobs, launched.send_errors)
-                if out is not None:
-                    outputs.append(out)
-                continue
-            status = self.output_processor.append(request, token, logprobs)
-            if status is not None:
-                self._finish(request, status)
-            outputs.append(self.output_processor.make_output(request))
+            if request.kv_ticket is None:
+                outputs.append(self._append(request, token, logprobs))
+            elif request.request_id in launched.send_errors:
+                outputs.append(self._fail(request, launched.send_errors[request.request_id]))
+            else:  # prefill side: the first token follows the KV to the decode worker
+                self.handoff.worker.finish_send(request, token, logprobs)
         return outputs
+
+    def _append(
+        self, request: Request, token: int, logprobs: TokenLogprobs | None
+    ) -> RequestOutput:
+        status = self.output_processor.append(request, token, logprobs)
+        if status is not None:
+            self._finish(request, status)
+        return self.output_processor.make_output(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)
         self.sampler.release(request.request_id)
 
-    # -- KV hand-off -----------------------------------------------------------
-
-    def _start_sends(self, batch: SchedulerOutput) -> tuple[list[str], dict[str, str]]:
-        """Open the transfers of prompts that finish in this step: (opened, failures)."""
-        opened, errors = [], {}
-        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
-            if request.kv_ticket is None or not will_sample(request, n):
-                continue
-            try:
-                self.kv_transport.start_send(request.kv_ticket, request.block_ids)
-                opened.append(request.request_id)
-            except (OSError, ValueError) as e:
-                errors[request.request_id] = f"could not reach the decode worker: {e}"
-        return opened, errors
-
-    def _layer_sender(self, request_ids: list[str]):
-        transport = self.kv_transport
-
-        def on_layer_stored(layer_id: int) -> None:
-            for rid in request_ids:
-                transport.send_layer(rid, layer_id)
-
-        return on_layer_stored
-
-    def _hand_off(
-        self,
-        request: Request,
-        token: int,
-        logprobs: TokenLogprobs | None,
-        send_errors: dict[str, str],
-    ) -> RequestOutput | None:
-        """Prefill side, first token read back: finish the transfer (the request holds
-        its blocks since its step was launched)."""
-        rid = request.request_id
-        if rid in send_errors:
-            return self._fail(request, send_errors[rid])
-        lp, top = (logprobs.logprob, logprobs.top) if logprobs is not None else (None, [])
-        self.kv_transport.finish_send(rid, TransferDone(rid, token, lp, top))
-        return None
-
-    def _handle_transfers(self) -> list[RequestOutput]:
-        """Finished hand-offs, then tickets for remote requests that got blocks."""
-        if self.kv_transport is None:
-            return []
-        outputs = [self._on_transfer(e) for e in self.kv_transport.poll()]
-        outputs = [o for o in outputs if o is not None]
-        for request in self.scheduler.reserve_kv_blocks():
-            ticket = self.kv_transport.make_ticket(
-                request.request_id,
-                request.block_ids,
-                start_token=request.num_cached_tokens,
-                num_tokens=request.num_prompt_tokens,
-                num_layers=self.num_transfer_layers,
-            )
-            self.kv_transport.expect(ticket)
-            output = self.output_processor.make_output(request)
-            output.kv_ticket = ticket.pack()
-            outputs.append(output)
-        return outputs
-
-    def _on_transfer(self, event: TransferEvent) -> RequestOutput | None:
-        request = self.scheduler.get_request(event.request_id)
-        if request is None:
-            return None  # aborted meanwhile
-        if not event.ok:
-            return self._fail(request, event.error)
-        if event.side == "send":
-            self._finish(request, RequestStatus.FINISHED_TRANSFERRED)
-            return self.output_processor.make_output(request)
-        done = event.done
-        self.scheduler.kv_arrived(request.request_id, done.first_token)
-        logprobs = None
-        if request.sampling_params.logprobs is not None and done.logprob is not None:
-            logprobs = TokenLogprobs(done.first_token, done.logprob, list(done.top_logprobs))
-        status = self.output_processor.append(request, done.first_token, logprobs)
-        if status is not None:
-            self._finish(request, status)
-        return self.output_processor.make_output(request)
-
     def _fail(self, request: Request, error: str) -> RequestOutput:
-        if self.kv_transport is not None:
-            self.kv_transport.cancel(request.request_id)
+        if self.handoff is not None:
+            self.handoff.transport.cancel(request.request_id)
         self._finish(request, RequestStatus.FINISHED_ERROR)
         output = self.output_processor.make_output(request)
         output.error = error
         return output
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
-            text, token_ids = None, list(prompt)
-            vocab = self.hf_config.vocab_size
-            bad = [t for t in token_ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids {bad[:5]} are out of range: ids must be in [0, {vocab})"
-                )
-        else:
-            raise InvalidRequestError(
-                f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-            )
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(token_ids)} tokens, but the context length is "
-                f"{self.max_model_len}: a prompt may have at most {self.max_model_len - 1} tokens"
-            )
-        return text, token_ids
+    # -- KV hand-off (``workers/kv/handoff.py``) -------------------------------
 
+    def _handle_transfers(self) -> list[RequestOutput]:
+        """Finished hand-offs, then tickets for remote requests that got blocks."""
+        if self.handoff is None:
+            return []
+        outputs = [self._on_handoff(event) for event in self.handoff.scheduler.poll()]
+        for request, ticket in self.handoff.scheduler.issue_tickets():
+            output = self.output_processor.make_output(request)
+            output.kv_ticket = ticket.pack()
+            outputs.append(output)
+        return outputs
 
-def _max_model_len(config: EngineConfig, hf_config) -> int:
-    limit = hf_config.max_position_embeddings
-    asked = config.scheduler.max_model_len
-    if asked is not None and asked > limit:
-        raise ValueError(
-            f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}"
-        )
-    return asked or limit
-
-
-def _eos_token_ids(hf_config, tokenizer) -> frozenset[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
-def _num_kv_blocks(config: EngineConfig, layout: KVLayout, max_model_len: int) -> int:
-    num_blocks = config.cache.num_kv_blocks
-    if num_blocks is None:
-        num_blocks = int(config.cache.kv_cache_memory_gb * 2**30) // layout.bytes_per_block()
-    needed = -(-max_model_len // layout.block_size) + 1  # one full-length request + the null page
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache has {num_blocks} blocks but one request of max_model_len="
-            f"{max_model_len} needs {needed}: raise num_kv_blocks / kv_cache_memory_gb "
-            "or lower max_model_len"
-        )
-    return num_blocks
+    def _on_handoff(self, event: HandoffEvent) -> RequestOutput:
+        request = event.request
+        if isinstance(event, HandoffFailed):
+            return self._fail(request, event.error)
+        if isinstance(event, SendAcked):
+            self._finish(request, RequestStatus.FINISHED_TRANSFERRED)
+            return self.output_processor.make_output(request)
+        done, logprobs = event.done, None  # decode side: the first token arrived
+        if request.sampling_params.logprobs is not None and done.logprob is not None:
+            logprobs = TokenLogprobs(done.first_token, done.logprob, list(done.top_logprobs))
+        return self._append(request, done.first_token, logprobs)

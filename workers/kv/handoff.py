@@ -1,0 +1,189 @@
+"""The KV hand-off beside the engine, in two halves (as vLLM's KV connector has).
+
+**Scheduler half** (``HandoffScheduler``): which requests wait for KV, and what
+stays alive after a prompt is done.
+
+- decode side: a remote request waits in the scheduler (``WAITING_FOR_KV``)
+  until blocks are free; ``issue_tickets`` reserves them and expects the
+  transfer; ``poll`` reports ``KVArrived`` (the KV and first token are in the
+  blocks: the request decodes from here) or ``HandoffFailed``.
+- prefill side: ``check_ticket`` admits a request with a decode worker's
+  ticket; once its prompt is computed it is held (``SENDING_KV``, blocks kept)
+  until ``poll`` reports ``SendAcked`` (free them) or ``HandoffFailed``.
+
+**Worker half** (``HandoffWorker``): ``start_sends`` opens the transfers of the
+prompts a step finishes and gives the hook the model calls as each layer's KV
+is stored (the layer goes out at once); ``finish_send`` sends the first token
+after the step is read back.
+
+Either half ``cancel``s a request's transfer (abort, failure); the transport
+tells the other side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from splitserve.errors import InvalidRequestError
+from splitserve.scheduler.request import Request
+from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput, will_sample
+from splitserve.workers.kv.transfer.base import KVTransport
+from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket
+from splitserve.workers.sampling.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class KVArrived:
+    """Decode side: the prompt's KV is in the request's blocks; ``done`` has its first
+    token (and its logprobs when asked for)."""
+
+    request: Request
+    done: TransferDone
+
+
+@dataclass(frozen=True)
+class SendAcked:
+    """Prefill side: the decode worker has the KV; the request's blocks may go."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class HandoffFailed:
+    request: Request
+    error: str
+
+
+HandoffEvent = KVArrived | SendAcked | HandoffFailed
+
+
+class HandoffScheduler:
+    def __init__(self, transport: KVTransport, scheduler: Scheduler, num_layers: int):
+        self.transport = transport
+        self.scheduler = scheduler
+        self.num_layers = num_layers  # layers that travel (MTP layers stay local)
+
+    def check_ticket(self, ticket: TransferTicket | bytes, request: Request) -> TransferTicket:
+        """Prefill side: the ticket, unpacked; InvalidRequestError naming every mismatch."""
+        if isinstance(ticket, bytes):
+            ticket = TransferTicket.unpack(ticket)
+        problems = []
+        try:
+            self.transport.layout.check_matches(ticket.layout)
+        except ValueError as e:
+            problems.append(str(e))
+        if ticket.num_tokens != request.num_prompt_tokens:
+            problems.append(
+                f"the ticket covers {ticket.num_tokens} tokens, the prompt has "
+                f"{request.num_prompt_tokens}"
+            )
+        if ticket.num_layers != self.num_layers:
+            problems.append(
+                f"the ticket asks for {ticket.num_layers} layers, the model has {self.num_layers}"
+            )
+        if ticket.request_id != request.request_id:
+            problems.append(f"the ticket is for request {ticket.request_id!r}")
+        if problems:
+            raise InvalidRequestError("invalid KV ticket: " + "; ".join(problems))
+        return ticket
+
+    def issue_tickets(self) -> list[tuple[Request, TransferTicket]]:
+        """Decode side: reserve blocks for waiting remote requests and expect their KV."""
+        issued = []
+        for request in self.scheduler.reserve_kv_blocks():
+            ticket = self.transport.make_ticket(
+                request.request_id,
+                request.block_ids,
+                start_token=request.num_cached_tokens,
+                num_tokens=request.num_prompt_tokens,
+                num_layers=self.num_layers,
+            )
+            self.transport.expect(ticket)
+            issued.append((request, ticket))
+        return issued
+
+    def hold(self, batch_sampling: list[Request]) -> None:
+        """Prefill side: requests whose prompt the launched step finishes keep their blocks
+        (and leave the running set) until the decode worker acks."""
+        for request in batch_sampling:
+            if request.kv_ticket is not None:
+                self.scheduler.hold_for_transfer(request)
+
+    def poll(self) -> list[HandoffEvent]:
+        """Finished transfers; decode-side arrivals are already running in the scheduler."""
+        events = []
+        for event in self.transport.poll():
+            request = self.scheduler.get_request(event.request_id)
+            if request is None:
+                continue  # aborted meanwhile
+            if not event.ok:
+                events.append(HandoffFailed(request, event.error))
+            elif event.side == "send":
+                events.append(SendAcked(request))
+            else:
+                self.scheduler.kv_arrived(request.request_id, event.done.first_token)
+                events.append(KVArrived(request, event.done))
+        return events
+
+    def cancel(self, request_id: str) -> None:
+        """Before the request's blocks can be reused: end its transfer on both sides."""
+        request = self.scheduler.get_request(request_id)
+        self.transport.cancel(request_id, request.kv_ticket if request else None)
+
+
+@dataclass
+class StepSends:
+    """The transfers a launched step opened: the per-layer hook and the ones that failed."""
+
+    request_ids: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why it failed
+    on_layer_stored: Callable[[int], None] | None = None
+
+
+class HandoffWorker:
+    def __init__(self, transport: KVTransport):
+        self.transport = transport
+
+    def start_sends(self, batch: SchedulerOutput) -> StepSends:
+        """Open the transfers of prompts this step finishes; each layer goes out once the
+        model has stored it (``on_layer_stored``)."""
+        sends = StepSends()
+        for request, n in zip(batch.requests, batch.num_scheduled_tokens):
+            if request.kv_ticket is None or not will_sample(request, n):
+                continue
+            try:
+                self.transport.start_send(request.kv_ticket, request.block_ids)
+                sends.request_ids.append(request.request_id)
+            except (OSError, ValueError) as e:
+                sends.errors[request.request_id] = f"could not reach the decode worker: {e}"
+        if sends.request_ids:
+            sends.on_layer_stored = self._layer_sender(sends.request_ids)
+        return sends
+
+    def finish_send(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
+        """After the step is read back: the first token follows the last layer."""
+        lp, top = (logprobs.logprob, logprobs.top) if logprobs is not None else (None, [])
+        rid = request.request_id
+        self.transport.finish_send(rid, TransferDone(rid, token, lp, top))
+
+    def _layer_sender(self, request_ids: list[str]) -> Callable[[int], None]:
+        send_layer = self.transport.send_layer
+
+        def on_layer_stored(layer_id: int) -> None:
+            for rid in request_ids:
+                send_layer(rid, layer_id)
+
+        return on_layer_stored
+
+
+class KVHandoff:
+    """Both halves over one transport (a prefill or decode worker has one; mixed: none)."""
+
+    def __init__(self, transport: KVTransport, scheduler: Scheduler, num_layers: int):
+        self.transport = transport
+        self.scheduler = HandoffScheduler(transport, scheduler, num_layers)
+        self.worker = HandoffWorker(transport)
+
+    def close(self) -> None:
+        self.transport.close()
