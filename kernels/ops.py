@@ -3,8 +3,8 @@
 Each op has one signature, shared by its reference (``kernels/<name>.py``) and
 its Triton version (``kernels/triton/<name>.py``); the device of the op's first
 tensor picks the implementation, so CPU results are exactly the reference's.
-Triton modules are imported on the first CUDA call: a CPU-only process never
-imports triton.
+Triton modules are imported on the first CUDA call (``_triton``): a CPU-only
+process never imports triton.
 
 On CUDA every op launches kernels only: no host sync, and every output and
 scratch buffer is sized from the input shapes (MoE: from ``num_tokens * top_k``
@@ -15,12 +15,11 @@ can be captured in a CUDA graph, whole or in pieces between attention calls.
 from __future__ import annotations
 
 import functools
-import importlib
-from types import ModuleType
+from types import SimpleNamespace
 
 import torch
 
-from splitserve.kernels import activation, kv_store, moe_routing, rmsnorm, rotary
+from splitserve.kernels import activation, kv_store, moe_routing, rmsnorm, rotary, tuning
 from splitserve.kernels import argmax as greedy
 from splitserve.kernels import decode_inputs as staging
 from splitserve.kernels import fused_moe as moe
@@ -28,14 +27,40 @@ from splitserve.kernels import linear as dense
 from splitserve.kernels import qk_norm_rope as norm_rope
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether ops on tensors like ``x`` run the Triton kernels."""
-    return x.is_cuda
+def use_triton(x: torch.Tensor | torch.device) -> bool:
+    """Whether ops on tensors like ``x`` (or on the device ``x``) run the Triton kernels."""
+    return x.type == "cuda" if isinstance(x, torch.device) else x.is_cuda
 
 
 @functools.cache
-def _triton(name: str) -> ModuleType:
-    return importlib.import_module(f"splitserve.kernels.triton.{name}")
+def _triton() -> SimpleNamespace:
+    """The Triton kernel modules, imported at the first CUDA call: a CPU-only process
+    never imports triton."""
+    from splitserve.kernels.triton import activation as t_activation
+    from splitserve.kernels.triton import argmax as t_argmax
+    from splitserve.kernels.triton import decode_inputs as t_decode_inputs
+    from splitserve.kernels.triton import fused_moe as t_fused_moe
+    from splitserve.kernels.triton import gate_up_silu as t_gate_up_silu
+    from splitserve.kernels.triton import kv_store as t_kv_store
+    from splitserve.kernels.triton import linear as t_linear
+    from splitserve.kernels.triton import moe_routing as t_moe_routing
+    from splitserve.kernels.triton import qk_norm_rope as t_qk_norm_rope
+    from splitserve.kernels.triton import rmsnorm as t_rmsnorm
+    from splitserve.kernels.triton import rotary as t_rotary
+
+    return SimpleNamespace(
+        activation=t_activation,
+        argmax=t_argmax,
+        decode_inputs=t_decode_inputs,
+        fused_moe=t_fused_moe,
+        gate_up_silu=t_gate_up_silu,
+        kv_store=t_kv_store,
+        linear=t_linear,
+        moe_routing=t_moe_routing,
+        qk_norm_rope=t_qk_norm_rope,
+        rmsnorm=t_rmsnorm,
+        rotary=t_rotary,
+    )
 
 
 def rms_norm(
@@ -45,7 +70,7 @@ def rms_norm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * x / rms(x)``; with ``residual``: ``(rms_norm(x + residual), x + residual)``."""
-    kernels = _triton("rmsnorm") if use_triton(x) else rmsnorm
+    kernels = _triton().rmsnorm if use_triton(x) else rmsnorm
     return kernels.rms_norm(x, weight, eps, residual)
 
 
@@ -57,7 +82,7 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 skips the row
 ) -> None:
     """Write each token's K/V at its slot (reshape-and-cache); slot -1 is skipped."""
-    kernels = _triton("kv_store") if use_triton(k) else kv_store
+    kernels = _triton().kv_store if use_triton(k) else kv_store
     kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -69,7 +94,7 @@ def rotary_embedding(
     sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated by the cache rows of ``positions`` (partial when rotary_dim < head_dim)."""
-    kernels = _triton("rotary") if use_triton(q) else rotary
+    kernels = _triton().rotary if use_triton(q) else rotary
     return kernels.rotary_embedding(positions, q, k, cos_cache, sin_cache)
 
 
@@ -84,13 +109,13 @@ def qk_norm_rope(
     sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary_embedding`` of the per-head ``rms_norm`` of q and k; new contiguous outputs."""
-    kernels = _triton("qk_norm_rope") if use_triton(q) else norm_rope
+    kernels = _triton().qk_norm_rope if use_triton(q) else norm_rope
     return kernels.qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_cache, sin_cache)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dim."""
-    kernels = _triton("activation") if use_triton(x) else activation
+    kernels = _triton().activation if use_triton(x) else activation
     return kernels.silu_and_mul(x)
 
 
@@ -98,7 +123,7 @@ def softmax_topk(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights float32, topk_ids int64)``, both ``[num_tokens, top_k]``."""
-    kernels = _triton("moe_routing") if use_triton(router_logits) else moe_routing
+    kernels = _triton().moe_routing if use_triton(router_logits) else moe_routing
     return kernels.softmax_topk(router_logits, top_k, renormalize)
 
 
@@ -112,7 +137,7 @@ def noaux_tc_topk(
     routed_scaling_factor: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped sigmoid routing; ``(topk_weights float32, topk_ids int64)``."""
-    kernels = _triton("moe_routing") if use_triton(router_logits) else moe_routing
+    kernels = _triton().moe_routing if use_triton(router_logits) else moe_routing
     return kernels.noaux_tc_topk(
         router_logits,
         correction_bias,
@@ -136,7 +161,7 @@ def fused_moe(
     On CUDA: the block-padded layout of ``kernels/moe_align.py`` (at most
     ``num_tokens * top_k + num_experts * (block_m - 1)`` rows) and two grouped GEMMs.
     """
-    kernels = _triton("fused_moe") if use_triton(hidden) else moe
+    kernels = _triton().fused_moe if use_triton(hidden) else moe
     return kernels.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
 
 
@@ -146,9 +171,10 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [..., N]
     """``x @ weight.T + bias``. On CUDA: a weight-streaming kernel for up to 16 rows
-    (decode) in bf16 / fp16, on an H100 also up to 64 where the weight fits one wave
+    (decode) in bf16 / fp16, on the GPUs that take the medium-batch kernels
+    (``tuning.py``) also up to 64 where the weight fits one wave
     (``triton.linear.one_wave``), ``F.linear`` (cuBLAS) for anything else."""
-    kernels = _triton("linear") if use_triton(x) else dense
+    kernels = _triton().linear if use_triton(x) else dense
     return kernels.linear(x, weight, bias)
 
 
@@ -158,7 +184,7 @@ def silu_and_mul_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [..., N]
     """``linear(silu_and_mul(x), weight, bias)``; on CUDA one kernel for one row."""
-    kernels = _triton("linear") if use_triton(x) else dense
+    kernels = _triton().linear if use_triton(x) else dense
     return kernels.silu_and_mul_linear(x, weight, bias)
 
 
@@ -169,17 +195,21 @@ def linear_silu_and_mul(
 ) -> torch.Tensor:  # [..., D]
     """``silu_and_mul(linear(x, weight, bias))``; on CUDA one kernel for 17 to 64 rows
     (``activation_in_gate_up``)."""
-    kernels = _triton("gate_up_silu") if use_triton(x) else dense
+    kernels = _triton().gate_up_silu if use_triton(x) else dense
     return kernels.linear_silu_and_mul(x, weight, bias)
 
 
-def activation_in_gate_up(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> bool:
-    """Whether a gated MLP on ``x`` runs its SiLU-and-mul inside the gate_up projection
-    (``linear_silu_and_mul``, one kernel) rather than inside or before the down projection
-    (``silu_and_mul_linear``)."""
-    return use_triton(x) and _triton("gate_up_silu").supported(x, weight, bias)
+def activation_in_gate_up(num_rows: int, device: torch.device) -> bool:
+    """Whether a gated MLP of ``num_rows`` rows on ``device`` runs its SiLU-and-mul inside
+    the gate_up projection (``linear_silu_and_mul``, one kernel) rather than inside or
+    before the down projection (``silu_and_mul_linear``): 17 to 64 rows, on the GPUs
+    that take the medium-batch kernels (``tuning.py``). A step's plan asks once a step
+    (``workers/runner/step_plan.py``)."""
+    return (
+        tuning.SMALL_BATCH_ROWS < num_rows <= tuning.MEDIUM_BATCH_ROWS
+        and use_triton(device)
+        and tuning.medium_batch_kernels(device)
+    )
 
 
 def rms_norm_linear(
@@ -196,7 +226,7 @@ def rms_norm_linear(
     ``next_starts_at_once`` lets the next kernel launch as it starts (``pdl.py``)."""
     if not use_triton(x):
         return dense.rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
-    return _triton("linear").rms_norm_linear(
+    return _triton().linear.rms_norm_linear(
         x, residual, norm_weight, eps, weight, bias, next_starts_at_once=next_starts_at_once
     )
 
@@ -208,7 +238,7 @@ def argmax(
     """Greedy tokens: each row's first largest index (NaN largest), also into
     ``host_out`` where given. On CUDA one launch that stores the tokens into
     ``host_out`` itself (page-locked memory the GPU maps): no copy to the host."""
-    kernels = _triton("argmax") if use_triton(logits) else greedy
+    kernels = _triton().argmax if use_triton(logits) else greedy
     return kernels.argmax(logits, host_out)
 
 
@@ -225,7 +255,7 @@ def stage_decode_inputs(
     """A decode step's packed rows and padding into a decode graph's static buffers
     (``decode_inputs.py``); on CUDA one launch that reads the rows from mapped host
     memory: no copy launches."""
-    kernels = _triton("decode_inputs") if use_triton(input_ids) else staging
+    kernels = _triton().decode_inputs if use_triton(input_ids) else staging
     kernels.stage_decode_inputs(
         staged, previous, input_ids, positions, slot_mapping, seq_lens, block_tables, pad_seq_len
     )

@@ -25,6 +25,10 @@ DEVICES = ("cpu", "cuda")
 ENV_VARS: dict[str, tuple[str, str]] = {
     "SPLITSERVE_DEVICE": ("default device when none is given: cpu or cuda", ""),
     "SPLITSERVE_LOG_LEVEL": ("logging level of the splitserve loggers", "INFO"),
+    "SPLITSERVE_PDL": (
+        "programmatic dependent launch between the Triton kernels on sm90+: 1 on, 0 off",
+        "1",
+    ),
 }
 
 
@@ -134,6 +138,27 @@ class CudaGraphConfig:
         return sizes
 
 
+@dataclass
+class KernelConfig:
+    """Which GPU kernels a step runs where more than one would do (ignored on CPU).
+
+    Each default is the choice the benchmarks measured best; a benchmark sets a key
+    to compare the alternatives (``docs/perf/TUNING.md``).
+    """
+
+    # Decode steps of up to this many requests run the Triton split-KV attention
+    # kernel (FlashInfer backend); 0: FlashInfer's decode kernels for every batch.
+    split_kv_max_batch: int = 64
+
+    def check(self) -> None:
+        value = self.split_kv_max_batch
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(
+                f"invalid kernels.split_kv_max_batch={value!r}: must be an integer >= 0 "
+                "(0: FlashInfer decodes every batch)"
+            )
+
+
 ROLES = ("mixed", "prefill", "decode")
 KV_TRANSPORTS = ("auto", "cpu", "nccl")
 
@@ -197,6 +222,7 @@ class EngineConfig:
     role: str = "mixed"
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -208,6 +234,7 @@ class EngineConfig:
         self.scheduler.check()
         self.kv_transfer.check()
         self.cuda_graph.check()
+        self.kernels.check()
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
@@ -217,6 +244,7 @@ class EngineConfig:
             "scheduler": SchedulerConfig,
             "kv_transfer": KVTransferConfig,
             "cuda_graph": CudaGraphConfig,
+            "kernels": KernelConfig,
         }
         kwargs: dict[str, Any] = {}
         for key, value in values.items():

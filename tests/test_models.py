@@ -339,24 +339,39 @@ def test_glm_mtp_forward_matches_reference(glm):
     assert logits.dtype == model.mtp.shared_head.head.weight.dtype  # the model's own
 
 
-def test_qkv_lets_attention_start_at_once_only_when_attention_follows_it():
+def test_qkv_lets_attention_start_at_once_only_when_attention_follows_it(monkeypatch):
     """The one-row qkv projection lets the next kernel launch as it starts only when that
     kernel is attention, which norms and rotates q/k itself (split-KV at one request)."""
     from types import SimpleNamespace
 
+    from splitserve.workers.attention.base import AttentionKernel
+    from splitserve.workers.model.layers import layernorm
     from splitserve.workers.model.layers.decoder import RopeAttention
     from splitserve.workers.model.layers.rotary_embedding import RotaryEmbedding
+    from splitserve.workers.runner.step_plan import plan_rows
 
-    class Fusing(TorchAttentionBackend):
-        def fuses_norm_rope(self, forward_batch) -> bool:
-            return True
+    class Projected(Exception):
+        """Stops the layer once its qkv projection was asked for."""
 
+    asked = []
+
+    def projection(*args):
+        asked.append(args[-1])  # next_starts_at_once
+        raise Projected
+
+    monkeypatch.setattr(layernorm, "rms_norm_linear", projection)
     rope = RotaryEmbedding(16, 16, 32, torch.ones(8))
     with_norm, without = (RopeAttention(0, 32, 2, 1, 16, rope, qk_norm=n) for n in (True, False))
-    fused, apart = (SimpleNamespace(attn_backend=b) for b in (Fusing(), TorchAttentionBackend()))
-    assert with_norm.attention_follows_qkv(fused)
-    assert not with_norm.attention_follows_qkv(apart)  # the q/k kernel comes between
-    assert not without.attention_follows_qkv(fused)  # the rotary kernel comes between
+    cuda = torch.device("cuda")  # only named: nothing runs on it
+    fused = plan_rows(1, cuda, AttentionKernel(norms_qk=True))
+    apart = plan_rows(1, cuda, AttentionKernel())
+    x = layernorm.AddNorm(layernorm.RMSNorm(32), torch.zeros(1, 32), None)
+    for layer, plan in ((with_norm, fused), (with_norm, apart), (without, fused)):
+        with pytest.raises(Projected):
+            layer(torch.zeros(1, dtype=torch.long), x, SimpleNamespace(plan=plan))
+    assert asked[0]
+    assert not asked[1]  # the q/k kernel comes between
+    assert not asked[2]  # the rotary kernel comes between
 
 
 def test_lm_head_gives_logits_in_the_models_dtype():

@@ -2,9 +2,9 @@
 ``splitserve.kernels.argmax``.
 
 A decode step ends in the argmax of its logits, and its tokens go to the host.
-With torch that is a reduction (one row reduced by few programs: 9.4 us for a
-151936-word row on an H100), a copy to the host and the copy engine's switches
-around it, about 30 us of the GPU's time a step at one request.
+With torch that is a reduction (one row reduced by few programs), a copy to the
+host and the copy engine's switches around it: tens of microseconds of the GPU's
+time a step at one request (``docs/perf/TUNING.md``).
 
 Here one launch does both. Each program takes ``BLOCK`` words of one row and
 turns each into an ordered int64 key: the float32 bits of the value (of the

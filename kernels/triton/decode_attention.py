@@ -6,8 +6,9 @@ each request's tokens are cut into ``num_splits`` equal runs (whole tiles of
 (request, KV head, split) attends every query head of that KV head's group to
 its run, page by page through the block table, with an online softmax, and
 writes the normalized partial output and its log-sum-exp. A second launch
-merges a query head's partials; with one split a request (33 requests and more
-on an H200) the split kernel writes the output itself and there is no merge.
+merges a query head's partials; with one split a request (a batch whose requests
+and KV heads alone give two programs an SM: ``num_splits``) the split kernel writes
+the output itself and there is no merge.
 With ``new_kv`` the split kernel also stores each request's new K/V row (the
 last split's program writes it at its slot), and the program whose run holds
 the last token attends that row from its inputs after its tiles of cached
@@ -21,26 +22,19 @@ With ``norm_rope`` (Qwen3's per-head q/k RMSNorm and rotary) q and the new K
 rows come raw from the qkv projection: each program norms and rotates its
 group's q rows and the new K row as it loads them, in ``qk_norm_rope.py``'s
 rounding steps, so that kernel's launch goes too. The norm's sum may add up in
-another order than there (one unit in the last place apart at most). Measured
-on an H200 (36 layers, 1k context, in one CUDA graph, with the q/k kernel
-against without): 0.316 against 0.320 ms at batch 1, 0.592 against 0.605 ms at
-batch 8; a decode step through the engine loop took 0.1 ms less at both. At 64
-requests (one split) the kernel needs 154 registers instead of 124, three
-programs an SM instead of four, and took 3.35 against 2.61 ms; capped at 128
-registers it spilled and took 2.69. So the layer uses it up to
-``NORM_ROPE_MAX_BATCH`` requests.
+another order than there (one unit in the last place apart at most). It made small
+decode steps faster; at 64 requests (one split) the kernel needs more registers,
+fits fewer programs an SM and lost (capped registers, it spilled). So the backend
+asks for it up to ``NORM_ROPE_MAX_BATCH`` requests.
 
 At one request with ``new_kv`` each program loads its first tile of cached
 tokens before it waits for the previous kernel (``pdl.py``): no kernel of the
 step writes those rows. The one-row qkv projection lets this kernel launch as
-soon as it starts (``next_starts_at_once``, asked for by ``DecoderLayer`` when
-this kernel norms q/k itself: ``RopeAttention.attention_follows_qkv``), so the
-tile's latency hides behind the projection.
-H200, 36 layers of the four linears and attention in one graph, 1k context:
-3.854 / 3.856 against 3.895 / 3.897 ms without either; the early launch alone
-3.924 (its programs wait beside the projection), the preload alone 3.883. At 8
-requests (two tiles a split) the preload lost 0.08 ms; an L2 prefetch of the
-tile instead of the load helped at neither batch.
+soon as it starts (``next_starts_at_once``, which a step's plan asks for when
+this kernel norms q/k itself: ``StepPlan.qkv_starts_attention``), so the tile's
+latency hides behind the projection. Only both together gained: the early launch
+alone lost (its programs wait beside the projection), and at eight requests the
+preload lost, so it runs at one request only. Figures: ``docs/perf/TUNING.md``.
 
 The group's query heads are the rows of one ``tl.dot`` (padded to 16 rows):
 q and K in their dtype, scores and sums in float32, the probabilities cast to
@@ -59,10 +53,10 @@ from splitserve.kernels.triton.device import sm_count
 from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
 from splitserve.kernels.triton.qk_norm_rope import norm_rope_rows
 
-BLOCK_N = 64  # tokens per tile: 0.89 of the KV floor at batch 64 against 0.82 with 32 (H200)
+BLOCK_N = 64  # tokens per tile: nearer the KV floor at batch 64 than 32 (TUNING.md)
 MAX_SPLITS = 32
-# Both launches start early (``pdl.py``) up to this batch; at 64 requests that cost a
-# decode step 0.19 ms (engine_loop.py, H200), for reasons not pinned down.
+# Both launches start early (``pdl.py``) up to this batch; at 64 requests that made a
+# decode step slower (TUNING.md), for reasons not pinned down.
 PDL_MAX_BATCH = 16
 NORM_ROPE_MAX_BATCH = 16  # q/k norm and rotary on load up to this batch (module docstring)
 

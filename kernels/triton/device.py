@@ -1,25 +1,12 @@
-"""The GPU properties the kernel wrappers size their launches by, read once per device,
-and the GPUs on which the kernels for 17 to 64 rows are used (``medium_batch_kernels``)."""
+"""The GPU properties the kernel wrappers size their launches by, read once per device.
+
+Which GPU takes which kernel is ``kernels/tuning.py``'s table. Nothing here imports triton."""
 
 from __future__ import annotations
 
 import functools
 
 import torch
-
-# GPUs (a substring of the name) on which the kernels for 17 to 64 rows
-# (``gate_up_silu.py``, ``linear.py``'s one wave) made a batch-64 decode step faster
-# than cuBLAS, both trees measured in one call through the engine loop. Not the H200:
-# there the step took 0.06-0.1 ms longer with them, although each kernel alone beat
-# cuBLAS in a 36-layer chain.
-MEDIUM_BATCH_GPUS = ("H100",)
-
-
-def medium_batch_kernels(device: torch.device) -> bool:
-    """Whether 17 to 64 rows take the Triton kernels on ``device`` (``MEDIUM_BATCH_GPUS``);
-    True off the GPU, where the tests run them through Triton's interpreter."""
-    return device.type != "cuda" or any(gpu in name(device) for gpu in MEDIUM_BATCH_GPUS)
-
 
 def sm_count(device: torch.device, off_gpu: int) -> int:
     """The device's SM count; ``off_gpu`` for a CPU tensor (Triton's interpreter)."""
@@ -35,7 +22,7 @@ def capability(device: torch.device) -> tuple[int, int]:
 
 
 def name(device: torch.device) -> str:
-    """The CUDA device's name, e.g. ``"NVIDIA H100 80GB HBM3"``; ``""`` off the GPU."""
+    """The CUDA device's name (``torch.cuda.get_device_name``); ``""`` off the GPU."""
     return _properties(_index(device)).name if device.type == "cuda" else ""
 
 

@@ -11,25 +11,16 @@ so the epilogue sees whole sums), and rounds as the two kernels would: each
 projection to x's dtype, ``silu(gate)`` to x's dtype, then the product.
 
 Used by ``ops.linear_silu_and_mul`` for ``MIN_M`` to ``MAX_M`` rows (a decode
-step of that many requests) on the GPUs of ``device.MEDIUM_BATCH_GPUS``. Qwen3-8B
-shapes, 64 rows, 36 layers with their own weights replayed from one CUDA graph, L2
-emptied, ms:
-
-| GPU, tiles | fused | cuBLAS + SiLU kernel | cuBLAS alone |
-|---|---:|---:|---:|
-| H100, ``[64, 128]`` 4 deep (the ones used) | 2.645 | 2.798 | 2.685 |
-| H200, ``[32, 64]`` 4 deep (its best) | 1.856 | 1.929 | 1.854 |
-
-On the H200 a decode step of 64 requests still took 0.06-0.1 ms longer with these
-kernels than with cuBLAS and the SiLU kernel (engine loop, both trees in one call,
-with either tiling), so it keeps those. Fewer rows go through ``linear.py`` (one row
+step of that many requests) on the GPUs whose ``tuning.GpuTuning`` takes the
+medium-batch kernels, with that table's tiles. Alone it beats cuBLAS with the SiLU
+kernel on each GPU timed, but on some a whole decode step still took longer with it
+than with them, so those keep the two. Fewer rows go through ``linear.py`` (one row
 fuses the SiLU into the down projection instead); more rows through cuBLAS and
-``activation.py``.
+``activation.py``. Figures: ``docs/perf/TUNING.md``.
 
 Computing the layer's add-norm on load as well (the input scaled by the norm
 weight before ``tl.dot``) stopped Triton's pipelining of the weight loads, with
-pointer loads and with TMA descriptors alike (3.15-5.75 against 2.88 ms for the
-norm kernel, cuBLAS and SiLU), so the norm stays a kernel of its own.
+pointer loads and with TMA descriptors alike, so the norm stays a kernel of its own.
 """
 
 from __future__ import annotations
@@ -39,13 +30,17 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.triton.activation import silu_and_mul
-from splitserve.kernels.triton.device import medium_batch_kernels
 from splitserve.kernels.triton.linear import linear
 from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
+from splitserve.kernels.tuning import (
+    MEDIUM_BATCH_ROWS,
+    SMALL_BATCH_ROWS,
+    for_device,
+    medium_batch_kernels,
+)
 
-MIN_M, MAX_M = 17, 64  # rows the fused kernel runs for (module docstring)
+MIN_M, MAX_M = SMALL_BATCH_ROWS + 1, MEDIUM_BATCH_ROWS  # the rows it runs for (docstring)
 DTYPES = (torch.bfloat16, torch.float16)
-BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 128, 4, 4  # the H100 sweep's best at 64 rows
 
 
 @triton.jit
@@ -101,7 +96,7 @@ def _gate_up_silu_kernel(
 
 def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether ``linear_silu_and_mul`` runs the fused kernel: ``MIN_M`` to ``MAX_M`` rows
-    on a GPU where it wins (``medium_batch_kernels``) and ``fits``."""
+    on a GPU that takes the medium-batch kernels (``tuning.GpuTuning``) and ``fits``."""
     width = x.shape[-1] if x.dim() else 0
     m = x.numel() // width if width else 0
     return MIN_M <= m <= MAX_M and medium_batch_kernels(x.device) and fits(x, weight, bias)
@@ -155,11 +150,12 @@ def fused_linear_silu_and_mul(
         x2 = x2.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, d, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(triton.cdiv(d, BLOCK_N),)](
+    tiles = for_device(x.device).gate_up_silu_tiles
+    _gate_up_silu_kernel[(triton.cdiv(d, tiles.block_n),)](
         x2, weight, out, m, d, k, x2.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        EVEN_K=k % BLOCK_K == 0, NUM_STAGES=NUM_STAGES, num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
+        BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, EVEN_K=k % tiles.block_k == 0, NUM_STAGES=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **launch_options(x.device, starts_early=True, lets_next_start=False, after_loop=True),
     )  # fmt: skip
     return out.view(*lead, d)

@@ -42,7 +42,7 @@ from splitserve.kernels.triton.pdl import launch_options, wait_previous_kernel
 MAX_TILE = 2048  # elements of one token's [BLOCK_H, BLOCK_D] tile
 AMAX_PROGRAMS = 512  # token-strided programs of the amax kernel (per block of heads)
 # default tiling: programs of up to TOKEN_TILE elements, but no fewer than MIN_PROGRAMS
-# programs (about 8 per SM of an H100 / H200) while tokens last
+# programs (about 8 per SM of a 132-SM GPU) while tokens last
 TOKEN_TILE = 4096
 MIN_PROGRAMS = 1024
 

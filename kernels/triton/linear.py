@@ -21,27 +21,17 @@ to the host, so a call can be captured in a CUDA graph. Tiles come from
 ``default_config``, not from autotuning (which syncs and times kernels, also
 during capture); ``benchmarks/linear_roofline.py --sweep`` times alternatives.
 
-Measured on an H200 (Qwen3-8B shapes). Alone (``linear_roofline.py --sweep``):
-at one row the GEMV on ``[16, 512]`` tiles without a K split beats cuBLAS by
-4-10% per projection (5% on the LM head), and splitting its K was slower in
-every case (a 6144 x 4096 GEMV: 59 us split in two, 22 us unsplit). In a
-decode step's CUDA graph (``decode_linears.py``, 36 layers): 1.07x the weight
-bytes at one row against cuBLAS's 1.18x, and with ``tl.dot`` tiles and the K
-split of ``default_config`` 1.17-1.18x at 8 and 16 rows against 1.22-1.26x.
-
-From 17 to 64 rows (``SPLIT_K_MAX_M`` < M <= ``MAX_M``) the K split and its
-second launch lose; what wins is one wave: at most one program an SM, each
-streaming whole-K ``[32, 256]`` weight tiles four deep (``[64, 128]`` five deep
-when N needs wider tiles to fit one wave), so every SM reads one equal share
-and no program waits for a second round. H100, 64 rows, 36 layers with their
-own weights from one graph, L2 emptied (ms): o 0.525 against cuBLAS 0.547,
-down 1.407 against 1.492 (cuBLAS splits K and reduces in a second kernel),
-qkv 0.724 against 0.731. Wider projections (gate_up, the LM head) take no
-single wave and stay with cuBLAS; a gated MLP's gate_up runs
-``gate_up_silu.py`` instead. The kernel takes these rows only on the GPUs of
-``device.MEDIUM_BATCH_GPUS`` (the tiles need 160-192 KB of shared memory, and on
-an H200 the decode step lost with them although each projection alone won: o
-0.437 against 0.447 ms, down 1.043 against 1.128, qkv 0.549 against 0.583).
+The GEMV on ``[16, 512]`` tiles beats cuBLAS at one row, and splitting its K only
+added a launch. Up to ``SPLIT_K_MAX_M`` rows ``tl.dot`` tiles with a K split keep
+every SM streaming. From there to ``MAX_M`` rows the K split and its second launch
+lose; what wins is one wave: at most one program an SM, each streaming whole-K
+``[32, 256]`` weight tiles four deep (``[64, 128]`` five deep when N needs wider
+tiles to fit one wave), so every SM reads one equal share and no program waits for
+a second round. Wider projections (gate_up, the LM head) take no single wave and
+stay with cuBLAS; a gated MLP's gate_up runs ``gate_up_silu.py`` instead. These
+rows take the kernel only on the GPUs whose ``tuning.GpuTuning`` says so (the tiles
+need 160-192 KB of shared memory, and a decode step gained only on some GPUs).
+Figures: ``docs/perf/TUNING.md``.
 
 For one row the GEMV also computes its input from what the step's previous
 kernel wrote, so that input costs no launch of its own:
@@ -54,14 +44,11 @@ kernel wrote, so that input costs no launch of its own:
   squares beside the products; ``1 / rms`` scales its outputs after the loop. So
   no program reads the row twice or waits for it before the weight streams, but
   the normed row is not rounded to x's dtype before the matmul as the two
-  kernels round it (0.3% of the largest output apart, in bf16).
+  kernels round it (a fraction of a percent of the largest output apart, in bf16).
 
-In a decode step's CUDA graph at one row (H200, 36 layers): the qkv projection
-with its add-norm 0.529 ms against 0.563 ms for the two kernels, gate_up 1.755
-against 1.779 ms, down with SiLU 0.907 against 0.947 ms. With ``tl.dot`` tiles
-the activation computed on load stopped the loads' pipelining (8 rows of down:
-5.9 against 1.1 ms), and norming the row before the loop cost each program a
-wait, which lost on gate_up (1.80 against 1.78 ms); neither is used.
+With ``tl.dot`` tiles, computing either input on load stopped the loads'
+pipelining, and norming the row before the loop cost each program a wait; neither
+is used above one row.
 
 Weight rows past N are not masked on load: they re-read row ``N - 1`` (always
 in bounds) and are dropped on store, so loads stay unmasked when
@@ -70,51 +57,25 @@ in bounds) and are dropped on store, so loads stay unmasked when
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from splitserve.kernels.triton.activation import silu_and_mul
-from splitserve.kernels.triton.device import medium_batch_kernels, sm_count
+from splitserve.kernels.triton.device import sm_count
+from splitserve.kernels.triton.linear_tiles import (
+    MAX_M,
+    SPLIT_K_MAX_M,
+    LinearConfig,
+    default_config,
+)
 from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
 from splitserve.kernels.triton.rmsnorm import rms_norm
+from splitserve.kernels.tuning import INTERPRETER_SMS, medium_batch_kernels
 
-SPLIT_K_MAX_M = 16  # ``tl.dot`` tiles with a K split up to this many rows
-MAX_M = 64  # above SPLIT_K_MAX_M: one wave of whole-K programs, where ``one_wave``
 DTYPES = (torch.bfloat16, torch.float16)
 REDUCE_BLOCK = 1024
-H200_SMS = 132  # the tiles' reference GPU: default_config's default, and the CPU interpreter's
-
-
-@dataclass(frozen=True)
-class LinearConfig:
-    """Tiling of one launch; ``num_warps`` and ``num_stages`` go to Triton."""
-
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    use_dot: bool = True  # tensor cores (rows padded to 16); False: the one-row GEMV
-
-    def __post_init__(self):
-        sizes = {"block_n": self.block_n, "block_k": self.block_k}
-        for name, v in sizes.items():
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two, got {v}")
-        if self.use_dot and min(sizes.values()) < 16:
-            raise ValueError(f"use_dot needs block_n and block_k >= 16, got {sizes}")
-        if self.split_k < 1:
-            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
-
-    def block_m(self, m: int) -> int:
-        """Rows per program: all ``m`` of them, padded to a power of two >= 16 for ``tl.dot``."""
-        if not self.use_dot and m != 1:
-            raise ValueError(f"use_dot=False is the one-row GEMV; got {m} rows")
-        return max(triton.next_power_of_2(m), 16) if self.use_dot else 1
 
 
 @triton.jit
@@ -357,7 +318,7 @@ def small_m_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or k == 0:
         return F.linear(x, weight, bias) if k == 0 else out.view(*lead, n)
-    cfg = config or default_config(m, n, k, sm_count(x.device, off_gpu=H200_SMS))
+    cfg = config or default_config(m, n, k, sm_count(x.device, off_gpu=INTERPRETER_SMS))
     if (gated or norm is not None) and (m != 1 or cfg.use_dot or (norm and cfg.split_k > 1)):
         raise ValueError(
             f"the fused activation and norm run on the one-row GEMV (the norm without a K "
@@ -391,38 +352,14 @@ def small_m_linear(
 
 def one_wave(device: torch.device, n: int) -> bool:
     """Whether ``n`` weight rows fit one wave of ``[64, K]`` tiles, one program an SM, on
-    a ``device`` where that beats cuBLAS (``device.medium_batch_kernels``; the CPU
-    interpreter stands for an H200-sized GPU)."""
+    a ``device`` that takes the medium-batch kernels (``tuning.GpuTuning``; the CPU
+    interpreter stands in with ``INTERPRETER_SMS`` SMs)."""
     if not medium_batch_kernels(device):
         return False
-    return triton.cdiv(n, 64) <= sm_count(device, off_gpu=H200_SMS)
+    return triton.cdiv(n, 64) <= sm_count(device, off_gpu=INTERPRETER_SMS)
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """``[rows, width]`` with unit stride along the row (a view when possible)."""
     x2 = x.reshape(-1, width)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def default_config(m: int, n: int, k: int, num_sms: int = H200_SMS) -> LinearConfig:
-    """Tiles for ``[m, k] @ [n, k]^T`` on a GPU of ``num_sms`` SMs (module docstring).
-
-    One row: the GEMV on ``[16, 512]`` tiles, no K split. Up to ``SPLIT_K_MAX_M`` rows:
-    ``tl.dot`` on ``[32, 128]`` tiles (``[64, 128]`` when N alone gives two programs an
-    SM), with K split in 2, 4, ... until the grid has over 1.5 programs an SM; four
-    stages. More rows: one wave, no K split, ``[32, 256]`` tiles four deep or, when
-    that takes more programs than SMs, ``[64, 128]`` five deep. Four warps.
-    """
-    block_k = max(triton.next_power_of_2(k), 16)
-    if m == 1:
-        return LinearConfig(16, min(512, block_k), num_warps=4, num_stages=4, use_dot=False)
-    if m > SPLIT_K_MAX_M:
-        if triton.cdiv(n, 32) <= num_sms:
-            return LinearConfig(32, min(256, block_k), num_warps=4, num_stages=4)
-        return LinearConfig(64, min(128, block_k), num_warps=4, num_stages=5)
-    block_n = 64 if triton.cdiv(n, 64) >= 2 * num_sms else 32
-    block_k = min(128, block_k)
-    split = 1
-    while 2 * triton.cdiv(n, block_n) * split <= 3 * num_sms and k >= 4 * split * block_k:
-        split *= 2
-    return LinearConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=True)

@@ -25,39 +25,35 @@ before it reads or writes anything. ``PDL`` holds three flags
   its main loop, lets the next kernel launch. Its last programs are resident by
   then, so the next kernel's take no slot from them; the launch overlaps their
   reductions, stores and exit. The linears and split-KV attention (up to 16
-  requests) do so: a batch-1 decode step took 4.332 ms against 4.359 and 4.376
-  ms with the launch at their exit (``engine_loop.py``, H200, one call).
+  requests) do so: a small decode step was faster so than with the launch at
+  their exit.
 
-Programs waiting beside a kernel that streams memory slow it down (H200,
-``benchmarks/decode_linears.py`` and ``engine_loop.py``): 36 layers of one-row
-linears took 3.77 ms with each letting the next start at once, against 3.49 ms
-without PDL. So only kernels that follow a short kernel start early: the
-linears (after a norm, SiLU or attention), and split-KV attention (after the
-qkv linear or the q/k norm) and its merge up to 16 requests (at 64 they cost a
-step 0.19 ms).
+Programs waiting beside a kernel that streams memory slow it down: a chain of
+one-row linears each letting the next start at once was slower than without
+PDL. So only kernels that follow a short kernel start early: the linears (after
+a norm, SiLU or attention), and split-KV attention (after the qkv linear or the
+q/k norm) and its merge up to 16 requests (at 64 they made a step slower).
 Only short kernels let the next one start at once: norms, SiLU, q/k norm and
 rotary, the merge, the split-K sum; the linears and split-KV attention do after
 their main loop. One exception: the one-row qkv projection lets split-KV
 attention launch at once, since that kernel then loads its first KV tile before
-its wait (``decode_attention.py``: 0.04 ms a batch-1 step of 36 layers).
-An L2 prefetch of a linear's first weight tiles before its wait,
-or of the next linear's first tiles after its own loop, did not help (H200, a
-batch-1 step and 36-layer chains: 3.55-4.06 against 3.54 ms for the chain).
+its wait (``decode_attention.py``). An L2 prefetch of a linear's first weight
+tiles before its wait, or of the next linear's first tiles after its own loop,
+did not help. Figures: ``docs/perf/TUNING.md``.
 
 PDL is on for CUDA devices of compute capability 9.0 and up; off on older GPUs,
-on the CPU interpreter, and with ``SPLITSERVE_PDL=0`` (or ``set_enabled(False)``,
-which a benchmark uses to compare; graphs captured before keep the launches
-they were captured with).
+on the CPU interpreter, and with ``SPLITSERVE_PDL=0`` (``splitserve/config.py``;
+or ``set_enabled(False)``, which a benchmark uses to compare; graphs captured
+before keep the launches they were captured with).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from splitserve.config import env
 from splitserve.kernels.triton.device import capability
 
 try:
@@ -65,7 +61,7 @@ try:
 except ImportError:  # pragma: no cover - a Triton without grid dependency control
     gdc_launch_dependents = gdc_wait = None
 
-_enabled = os.environ.get("SPLITSERVE_PDL", "1") != "0" and gdc_wait is not None
+_enabled = env("SPLITSERVE_PDL") != "0" and gdc_wait is not None
 
 
 def set_enabled(enabled: bool) -> None:

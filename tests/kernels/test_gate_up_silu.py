@@ -12,9 +12,10 @@ from splitserve.kernels import linear as reference
 from splitserve.kernels import ops
 from splitserve.kernels.triton import gate_up_silu as tri
 from splitserve.kernels.triton.activation import silu_and_mul
-from splitserve.kernels.triton.device import medium_batch_kernels
-from splitserve.workers.model.layers.layernorm import RMSNorm
+from splitserve.kernels.tuning import medium_batch_kernels
+from splitserve.workers.model.layers.layernorm import AddNorm, RMSNorm
 from splitserve.workers.model.layers.mlp import GatedMLP
+from splitserve.workers.runner.step_plan import plan_rows
 from tests.kernels.test_linear import _interpreter_bf16_dot  # noqa: F401 - autouse fixture
 from tests.kernels.utils import DEVICE, assert_close, count_launches, randn
 
@@ -82,11 +83,16 @@ def test_other_inputs_run_the_two_kernels(case, monkeypatch):
 
 def test_ops_pick_the_fused_kernel_on_cuda_only(monkeypatch):
     x, w = operands(24, 40, 96, torch.bfloat16)
-    assert ops.activation_in_gate_up(x, w) == (x.is_cuda and medium_batch_kernels(x.device))
+    rows = x.shape[0]
+    assert ops.activation_in_gate_up(rows, x.device) == (
+        x.is_cuda and medium_batch_kernels(x.device)
+    )
     got = {}
     for triton in (True, False):
         monkeypatch.setattr(ops, "use_triton", lambda t, triton=triton: triton)
-        assert ops.activation_in_gate_up(x, w) == (triton and medium_batch_kernels(x.device))
+        assert ops.activation_in_gate_up(rows, x.device) == (
+            triton and medium_batch_kernels(x.device)
+        )
         got[triton] = ops.linear_silu_and_mul(x, w)
     assert torch.equal(got[False], reference.linear_silu_and_mul(x, w))
     assert_close(got[True], reference.linear_silu_and_mul(x.float(), w.float()), torch.bfloat16)
@@ -105,9 +111,10 @@ def test_gated_mlp_takes_the_activation_into_gate_up_for_its_rows(rows, monkeypa
         norm.weight.copy_(1 + randn(96) / 4)
     hidden, residual = randn(rows, 96, dtype=torch.bfloat16), randn(rows, 96, dtype=torch.bfloat16)
     launches = count_launches(monkeypatch, tri, "_gate_up_silu_kernel")
+    plan = plan_rows(rows, hidden.device)  # the step's plan picks where the SiLU runs
     with torch.no_grad():
-        out, new_residual = mlp.forward_normed(norm, hidden, residual)
-        plain = mlp(hidden)
+        out, new_residual = mlp(AddNorm(norm, hidden, residual), plan)
+        plain = mlp.on_normed(hidden, plan)
         want_normed, summed = norm(hidden, residual)  # the add-norm kernel's own sum
     assert len(launches) == (2 if rows == 24 and medium_batch_kernels(hidden.device) else 0)
     assert torch.equal(new_residual, summed)
@@ -127,11 +134,12 @@ def test_gated_mlp_takes_the_activation_into_gate_up_for_its_rows(rows, monkeypa
 def test_medium_batch_kernels_only_on_the_gpus_they_beat_cublas_on(gpu, takes, monkeypatch):
     """The H100's decode step gained from the 17-64-row kernels, the H200's lost; the CPU
     interpreter takes them (these tests)."""
+    from splitserve.kernels import tuning
     from splitserve.kernels.triton import device, linear
 
     monkeypatch.setattr(device, "name", lambda d: gpu)
     monkeypatch.setattr(linear, "sm_count", lambda d, off_gpu: 132)
     cuda = torch.device("cuda")
-    assert device.medium_batch_kernels(cuda) == takes
+    assert tuning.medium_batch_kernels(cuda) == takes
     assert linear.one_wave(cuda, 4096) == takes
-    assert device.medium_batch_kernels(torch.device("cpu"))
+    assert tuning.medium_batch_kernels(torch.device("cpu"))

@@ -17,9 +17,9 @@ from splitserve.kernels import linear as reference
 from splitserve.kernels import ops
 from splitserve.kernels.triton import linear as tri
 from splitserve.kernels.triton.activation import silu_and_mul
-from splitserve.kernels.triton.device import medium_batch_kernels
 from splitserve.kernels.triton.linear import LinearConfig, default_config
 from splitserve.kernels.triton.rmsnorm import rms_norm
+from splitserve.kernels.tuning import INTERPRETER_SMS, medium_batch_kernels
 from splitserve.workers.model.layers.linear import Linear, MergedLinear
 from tests.kernels.utils import (
     DEVICE,
@@ -185,7 +185,7 @@ def test_leading_dims_and_strided_rows():
 def test_falls_back_to_f_linear(case, monkeypatch):
     m, n, k = 65, 24, 32
     if case == "wide at 17 rows":  # more weight rows than one wave of 64-row tiles takes
-        m, n = 17, 64 * tri.H200_SMS + 1
+        m, n = 17, 64 * INTERPRETER_SMS + 1
     x, w, b = operands(m, n, k, torch.bfloat16, bias=True)
     if case == "float32":
         x, w, b = x.float(), w.float(), b.float()

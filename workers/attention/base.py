@@ -1,9 +1,11 @@
 """The attention seam: every model calls attention through this interface.
 
 ``plan(forward_batch)`` runs once per step and prepares whatever the backend
-needs (index tensors, masks, kernel plans); ``forward`` runs once per layer:
-it stores the new K/V into the paged cache at ``slot_mapping`` and attends
-the query rows over each request's paged KV. The CUDA-graph hooks let a graph
+needs (index tensors, masks, kernel plans); ``kernel(forward_batch)`` then says
+what the planned attention does beyond attending (``AttentionKernel``), which the
+runner folds into the step's plan once; ``forward`` runs once per layer: it
+stores the new K/V into the paged cache at ``slot_mapping`` and attends the
+query rows over each request's paged KV. The CUDA-graph hooks let a graph
 runner own static metadata buffers; backends that cannot run inside a graph
 say so through ``supports_cuda_graphs``.
 """
@@ -50,6 +52,19 @@ class QKNormRope:
         return self.positions, self.q_weight, self.k_weight, self.eps, self.cos, self.sin
 
 
+@dataclass(frozen=True)
+class AttentionKernel:
+    """What a backend's attention does in a planned step besides attending
+    (``AttentionBackend.kernel``)."""
+
+    # ``forward`` takes the layer's ``QKNormRope`` and applies it in its own kernel.
+    norms_qk: bool = False
+    # A decode graph's kernel reads the runner's static block tables and lengths as
+    # they are, and has nothing else to prepare: the runner writes them itself and
+    # skips ``prepare_replay``.
+    reads_batch_index: bool = False
+
+
 class AttentionBackend(ABC):
     name: str = "abstract"
     supports_cuda_graphs: bool = False
@@ -66,15 +81,15 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         layer: AttentionSpec,
         forward_batch: ForwardBatch,
-        norm_rope: QKNormRope | None = None,  # only where ``fuses_norm_rope``
+        norm_rope: QKNormRope | None = None,  # only where ``kernel(...).norms_qk``
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Store k/v for the new tokens and attend q over the paged KV (with ``norm_rope``:
         q and k normed and rotated first)."""
 
-    def fuses_norm_rope(self, forward_batch: ForwardBatch) -> bool:
-        """Whether ``forward`` takes a ``QKNormRope`` for this step and applies it in its
-        own kernel (else the caller applies it to q and k first)."""
-        return False
+    def kernel(self, forward_batch: ForwardBatch) -> AttentionKernel:
+        """What ``forward`` does in this step as planned (after ``plan`` or
+        ``prepare_capture``); a step's plan reads it once."""
+        return AttentionKernel()
 
     # CUDA-graph hooks: called by the graph runners, never by models.
     def supports_decode_graphs(self, max_num_tokens: int, max_blocks_per_seq: int) -> bool:
@@ -89,12 +104,6 @@ class AttentionBackend(ABC):
 
     def prepare_replay(self, num_tokens: int, forward_batch: ForwardBatch) -> None:
         raise NotImplementedError(f"attention backend {self.name!r} cannot run in CUDA graphs")
-
-    def graph_reads_batch_index(self, num_tokens: int, forward_batch: ForwardBatch) -> bool:
-        """Whether a decode graph of this size reads the batch's own index, its block
-        tables and lengths (the runner's static buffers), and has nothing else to prepare:
-        the runner then writes them itself and skips ``prepare_replay``."""
-        return False
 
     def clear_graphs(self) -> None:
         """Drop every per-graph buffer and plan (the graph owner is clearing its graphs)."""

@@ -14,12 +14,13 @@ One ``plan()`` per step (it costs ~150 us of CPU), one ``run()`` per layer:
 Decode uses FlashInfer's tensor-core kernels when a KV head serves at least
 ``TENSOR_CORE_GROUP`` query heads (``decode_tensor_cores``): the CUDA-core
 decode kernel is bound by its arithmetic there, not by the KV bytes. Decode
-steps of at most ``split_kv_max_batch`` requests run the Triton split-KV
-kernel instead (``kernels/triton/decode_attention.py``): one launch for the
-splits, which also stores the new K/V rows (and, up to 16 requests, norms and
-rotates q and K itself: ``fuses_norm_rope``), and one for their merge; no plan,
-and an index (block table, lengths) that is the step's own tensors, or in a
-graph the runner's static buffers.
+steps of at most ``split_kv_max_batch`` requests (``kernels.split_kv_max_batch``
+in the config) run the Triton split-KV kernel instead
+(``kernels/triton/decode_attention.py``): one launch for the splits, which also
+stores the new K/V rows (and, up to 16 requests, norms and rotates q and K itself:
+``AttentionKernel.norms_qk``), and one for their merge; no plan, and an index
+(block table, lengths) that is the step's own tensors, or in a graph the runner's
+static buffers (``AttentionKernel.reads_batch_index``).
 
 Otherwise new K/V rows go into the cache with the Triton KV store before attention.
 
@@ -38,9 +39,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from splitserve.config import KernelConfig
 from splitserve.kernels.ops import store_kv
 from splitserve.kernels.triton.decode_attention import NORM_ROPE_MAX_BATCH, decode_attention
-from splitserve.workers.attention.base import AttentionBackend, AttentionSpec, QKNormRope
+from splitserve.workers.attention.base import (
+    AttentionBackend,
+    AttentionKernel,
+    AttentionSpec,
+    QKNormRope,
+)
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
 from splitserve.workers.runner.input_batch import padded_block_tables
@@ -48,8 +55,6 @@ from splitserve.workers.runner.input_batch import padded_block_tables
 HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 WORKSPACE_BYTES = 256 << 20
 TENSOR_CORE_GROUP = 4  # query heads per KV head from which decode runs on tensor cores
-SPLIT_KV_MAX_BATCH = 64  # decode batches up to this size run the Triton split-KV kernel:
-# faster than FlashInfer's decode kernels at each batch measured, 1 to 64 (1k context)
 
 
 @dataclass
@@ -129,7 +134,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         device: torch.device,
         decode_tensor_cores: bool | None = None,  # None: from the query heads per KV head
         ragged_prefill: bool = True,
-        split_kv_max_batch: int = SPLIT_KV_MAX_BATCH,  # 0: FlashInfer decodes every batch
+        # Decode batches up to this size run the Triton split-KV kernel; 0: FlashInfer
+        # decodes every batch. The engine passes the config's ``kernels.split_kv_max_batch``.
+        split_kv_max_batch: int = KernelConfig.split_kv_max_batch,
     ):
         import flashinfer
 
@@ -217,13 +224,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         fb.attn_metadata = FlashInferMetadata(self.prefill_wrapper)
 
-    def fuses_norm_rope(self, forward_batch: ForwardBatch) -> bool:
-        """Split-KV decode steps of up to ``NORM_ROPE_MAX_BATCH`` requests norm and rotate q
-        and the new K rows as they load them (``decode_attention.py``)."""
+    def kernel(self, forward_batch: ForwardBatch) -> AttentionKernel:
+        """A split-KV decode step reads its index as it is, and up to ``NORM_ROPE_MAX_BATCH``
+        requests norms and rotates q and the new K rows as it loads them
+        (``decode_attention.py``)."""
         meta = forward_batch.attn_metadata
-        return isinstance(meta, SplitKVDecodeMetadata) and (
-            meta.seq_lens.shape[0] <= NORM_ROPE_MAX_BATCH
-        )
+        if not isinstance(meta, SplitKVDecodeMetadata):
+            return AttentionKernel()
+        norms_qk = meta.seq_lens.shape[0] <= NORM_ROPE_MAX_BATCH
+        return AttentionKernel(norms_qk=norms_qk, reads_batch_index=True)
 
     def _split_kv(self, fb: ForwardBatch, batch: int) -> bool:
         """Whether this decode step runs the Triton split-KV kernel (a cache in the model's
@@ -315,9 +324,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         with self._planning():
             self._plan_decode(wrapper, PagedKVIndex.of(forward_batch), forward_batch.kv_cache)
         forward_batch.attn_metadata = FlashInferMetadata(wrapper)
-
-    def graph_reads_batch_index(self, num_tokens: int, forward_batch: ForwardBatch) -> bool:
-        return self._split_kv(forward_batch, num_tokens)
 
     def clear_graphs(self) -> None:
         self.graph_wrappers = {}

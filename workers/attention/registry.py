@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from splitserve.config import KernelConfig
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
 from splitserve.workers.kv.layout import KVLayout
@@ -20,9 +21,12 @@ def make_attention_backend(
     device: torch.device,
     num_heads: int,
     layout: KVLayout,
+    kernels: KernelConfig | None = None,
 ) -> AttentionBackend:
     """``auto``: FlashInfer on a GPU when it serves this shape and dtype, else torch.
-    ``num_heads``: query heads; ``layout``: the KV cache the backend reads."""
+    ``num_heads``: query heads; ``layout``: the KV cache the backend reads; ``kernels``:
+    the config's kernel choices (default: ``KernelConfig()``)."""
+    kernels = kernels or KernelConfig()
     head_dim, dtype = layout.head_dim, layout.dtype
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; accepted: {', '.join(BACKENDS)}")
@@ -45,4 +49,11 @@ def make_attention_backend(
                 dtype,
             )
             return TorchAttentionBackend()
-    return FlashInferAttentionBackend(num_heads, layout.num_kv_heads, head_dim, dtype, device)
+    return FlashInferAttentionBackend(
+        num_heads,
+        layout.num_kv_heads,
+        head_dim,
+        dtype,
+        device,
+        split_kv_max_batch=kernels.split_kv_max_batch,
+    )

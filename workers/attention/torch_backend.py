@@ -96,7 +96,7 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionSpec,
         forward_batch: ForwardBatch,
-        norm_rope: QKNormRope | None = None,  # never given: fuses_norm_rope is False
+        norm_rope: QKNormRope | None = None,  # never given: kernel() norms no q/k
     ) -> torch.Tensor:
         k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
         store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)

@@ -4,6 +4,7 @@ Tokens of all requests in the step are packed along one axis (no padding):
 request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``. Its
 attention sees ``seq_lens[i]`` tokens of KV: the cached prefix, earlier chunks,
 and the new rows, whose KV is written at ``slot_mapping`` before attention.
+``plan`` says which kernels the step's layers fuse (``step_plan.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 if TYPE_CHECKING:
     from splitserve.workers.attention.base import AttentionBackend
     from splitserve.workers.kv.cache import KVCache
+    from splitserve.workers.runner.step_plan import StepPlan
 
 
 class Phase(enum.Enum):
@@ -44,6 +46,9 @@ class ForwardBatch:
     kv_cache: KVCache
     attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None)  # set by attn_backend.plan()
+    # The step's fusions, set with the attention plan (``step_plan.py``; a graph runner:
+    # at capture, for the size it captures). The layers read it; None: not planned.
+    plan: StepPlan | None = None
     # Called with the layer id right after a layer's attention stored its KV (a prefill
     # worker streams each layer to the decode worker while later layers compute).
     on_layer_stored: Callable[[int], None] | None = None

@@ -12,6 +12,7 @@ from splitserve.scheduler.block_manager import NULL_BLOCK
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.runner.forward_batch import ForwardBatch
+from splitserve.workers.runner.step_plan import plan_forward
 
 
 @dataclass
@@ -31,8 +32,9 @@ def build_forward_batch(
     device: torch.device | str,
     plan: bool = True,
 ) -> ForwardBatch:
-    """Pack the step's requests; ``plan=False`` leaves ``attn_backend.plan`` to the
-    caller (a CUDA-graph runner plans its padded batch instead)."""
+    """Pack the step's requests; ``plan=False`` leaves planning the step (the attention
+    backend's plan and the step's fusions: ``step_plan.plan_forward``) to the caller (a
+    CUDA-graph runner plans its padded batch instead)."""
     block_size = kv_cache.block_size
     query_lens = [len(r.new_token_ids) for r in requests]
     seq_lens = [r.num_computed + q for r, q in zip(requests, query_lens)]
@@ -80,7 +82,7 @@ def build_forward_batch(
         logits_rows=consecutive(logits_indices),
     )
     if plan:
-        attn_backend.plan(fb)
+        plan_forward(fb)
     return fb
 
 

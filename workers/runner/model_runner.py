@@ -34,6 +34,7 @@ from splitserve.workers.runner.input_batch import (
     consecutive,
     to_device,
 )
+from splitserve.workers.runner.step_plan import plan_forward
 from splitserve.workers.sampling.sampler import SampledTokens, Sampler, TokenLogprobs
 
 
@@ -168,7 +169,7 @@ class ModelRunner:
             runner = self.graphs.runner_for(fb)
             if runner is not None:
                 return runner.forward(fb)
-        self.attn_backend.plan(fb)
+        plan_forward(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
     # -- weights -------------------------------------------------------------

@@ -30,12 +30,13 @@ class Attention(nn.Module):
         norm_rope: QKNormRope | None = None,
     ) -> torch.Tensor:
         """Attention of q over the paged KV with k and v stored; with ``norm_rope``, q and k
-        are normed and rotated first (by the backend's kernel where it can)."""
+        are normed and rotated first (by the backend's kernel where the step's plan says
+        it does: ``StepPlan.attention_norms_qk``)."""
         s, backend = self.spec, forward_batch.attn_backend
         q = q.reshape(-1, s.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if norm_rope is not None and not backend.fuses_norm_rope(forward_batch):
+        if norm_rope is not None and not forward_batch.plan.attention_norms_qk:
             q, k = norm_rope(q, k)
             norm_rope = None
         out = backend.forward(q, k, v, s, forward_batch, norm_rope)

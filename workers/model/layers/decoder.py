@@ -9,7 +9,7 @@ from torch import nn
 
 from splitserve.workers.attention.base import QKNormRope
 from splitserve.workers.model.layers.attention import Attention
-from splitserve.workers.model.layers.layernorm import RMSNorm
+from splitserve.workers.model.layers.layernorm import AddNorm, RMSNorm
 from splitserve.workers.model.layers.linear import Linear, QKVLinear
 from splitserve.workers.model.layers.rotary_embedding import RotaryEmbedding
 from splitserve.workers.runner.forward_batch import ForwardBatch
@@ -23,7 +23,7 @@ class RopeAttention(nn.Module):
     """qkv -> per-head q/k norm (optional) -> rotary -> paged attention -> o_proj.
 
     With q/k norm, one fused op norms and rotates the strided q/k views of the
-    qkv output (inside the attention kernel where the backend can:
+    qkv output (inside the attention kernel where the step's plan says so:
     ``QKNormRope``); ``q_norm`` / ``k_norm`` only hold the weights the checkpoint fills.
     """
 
@@ -50,42 +50,35 @@ class RopeAttention(nn.Module):
         self.o_proj = Linear(num_heads * head_dim, hidden, bias=o_bias)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x), forward_batch)
-
-    def attend(
-        self,
-        positions: torch.Tensor,
-        qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        forward_batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """Everything after the qkv projection, from its ``(q, k, v)``."""
-        q, k, v = qkv
+        self, positions: torch.Tensor, x: AddNorm, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``x``'s normed rows, and their residual sum. The add-norm runs in
+        the qkv projection's kernel. Where attention norms q/k itself nothing runs
+        between the two, and at one row the projection lets attention launch as it
+        starts (``StepPlan.qkv_starts_attention``)."""
+        starts_attention = self.q_norm is not None and forward_batch.plan.qkv_starts_attention
+        qkv, residual = x.project(self.qkv_proj, next_starts_at_once=starts_attention)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
             q, k = self.rotary_emb(positions, q, k)
-            return self.o_proj(self.attn(q, k, v, forward_batch))
+            return self.o_proj(self.attn(q, k, v, forward_batch)), residual
         qw, kw, rope = self.q_norm.weight, self.k_norm.weight, self.rotary_emb
         norm_rope = QKNormRope(positions, qw, kw, self.q_norm.eps, rope.cos, rope.sin)
-        return self.o_proj(self.attn(q, k, v, forward_batch, norm_rope))
-
-    def attention_follows_qkv(self, forward_batch: ForwardBatch) -> bool:
-        """Whether the attention kernel is the qkv projection's next: the backend norms and
-        rotates q/k inside it. Then, at one request, split-KV attention loads KV before its
-        wait, and the projection lets it launch at once (``next_starts_at_once``)."""
-        return self.q_norm is not None and forward_batch.attn_backend.fuses_norm_rope(forward_batch)
+        return self.o_proj(self.attn(q, k, v, forward_batch, norm_rope)), residual
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual stream travels beside the hidden state.
+    """Pre-norm block: norm, attention, norm, MLP, the residual stream beside the hidden
+    state.
 
-    ``forward`` returns ``(hidden, residual)`` with the last add left for the
-    next layer's fused add-norm (or the final norm). Each add-norm goes with the
-    projection after it (``RMSNorm.project``: one kernel for a one-row decode): the
-    qkv projection's here, the MLP's in its ``forward_normed`` (a gated MLP fuses it
-    into gate_up and its activation into down; an MoE block norms on its own).
+    Each norm adds the residual in and is handed, not yet run, to the block after it
+    (``AddNorm``): the block's first projection computes it in its own kernel where it
+    can (one kernel for a one-row decode), and so the block returns the new residual
+    too. Which fusions a step takes is its plan's (``forward_batch.plan``,
+    ``workers/runner/step_plan.py``). ``forward`` leaves the last add for the next
+    layer's norm (or the final norm).
     """
 
     def __init__(
@@ -104,10 +97,8 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn = self.self_attn
-        early = attn.attention_follows_qkv(forward_batch)
-        qkv, residual = self.input_layernorm.project(
-            hidden, residual, attn.qkv_proj, next_starts_at_once=early
-        )
-        hidden = attn.attend(positions, attn.qkv_proj.split(qkv), forward_batch)
-        return self.mlp.forward_normed(self.post_attention_layernorm, hidden, residual)
+        x = AddNorm(self.input_layernorm, hidden, residual)
+        hidden, residual = self.self_attn(positions, x, forward_batch)
+        x = AddNorm(self.post_attention_layernorm, hidden, residual)
+        hidden, residual = self.mlp(x, forward_batch.plan)
+        return hidden, residual

@@ -1,18 +1,18 @@
 """Gated MLP (SwiGLU): ``down(silu(gate(x)) * up(x))`` with gate and up fused.
 
-Where the SiLU-and-mul runs depends on the rows (``kernels.ops``): in the gate_up
-projection's epilogue for a decode batch of 17 to 64 rows
-(``activation_in_gate_up``), on the down projection's loads for one row, as a kernel
-of its own otherwise."""
+Where the SiLU-and-mul runs is the step's plan's (``StepPlan.activation``): handed
+to the down projection (on its loads for one row, a kernel of its own before it
+otherwise), or in the gate_up projection's epilogue."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from splitserve.kernels.ops import activation_in_gate_up, linear_silu_and_mul, silu_and_mul_linear
-from splitserve.workers.model.layers.layernorm import RMSNorm
+from splitserve.kernels.ops import linear_silu_and_mul, silu_and_mul_linear
+from splitserve.workers.model.layers.layernorm import AddNorm
 from splitserve.workers.model.layers.linear import GateUpLinear, Linear
+from splitserve.workers.runner.step_plan import Activation, StepPlan
 
 
 class GatedMLP(nn.Module):
@@ -23,30 +23,23 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = GateUpLinear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._activation_in_gate_up(x):
-            return self._fused_gate_up_down(x)
-        return self.down(self.gate_up_proj(x))
-
-    def forward_normed(
-        self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(hidden + residual)), hidden + residual)``, the add-norm fused into
-        the gate_up projection (``RMSNorm.project``) unless the activation is."""
-        if self._activation_in_gate_up(hidden):
-            normed, residual = norm(hidden, residual)
-            return self._fused_gate_up_down(normed), residual
-        gate_up, residual = norm.project(hidden, residual, self.gate_up_proj)
+    def forward(self, x: AddNorm, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of ``x``'s normed rows, and their residual sum. The add-norm runs in the
+        gate_up projection's kernel, unless the SiLU-and-mul does (that kernel cannot
+        take both) and it runs alone."""
+        if plan.activation is Activation.IN_GATE_UP:
+            normed, residual = x()
+            return self.on_normed(normed, plan), residual
+        gate_up, residual = x.project(self.gate_up_proj)
         return self.down(gate_up), residual
 
-    def _activation_in_gate_up(self, x: torch.Tensor) -> bool:
-        return activation_in_gate_up(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-
-    def _fused_gate_up_down(self, x: torch.Tensor) -> torch.Tensor:
-        """The down projection of gate_up with the SiLU-and-mul in its epilogue."""
-        act = linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return self.down_proj(act)
+    def on_normed(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """The MLP of rows already normed (an MoE block's shared experts)."""
+        if plan.activation is Activation.IN_GATE_UP:
+            gate_up = self.gate_up_proj
+            return self.down_proj(linear_silu_and_mul(x, gate_up.weight, gate_up.bias))
+        return self.down(self.gate_up_proj(x))
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The down projection of ``silu(gate) * up``, the activation fused into it."""
+        """The down projection of ``silu(gate) * up``, the activation handed to it."""
         return silu_and_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)

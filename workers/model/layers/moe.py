@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from splitserve.kernels.ops import fused_moe, noaux_tc_topk, softmax_topk
-from splitserve.workers.model.layers.layernorm import RMSNorm
+from splitserve.workers.model.layers.layernorm import AddNorm
 from splitserve.workers.model.layers.mlp import GatedMLP
+from splitserve.workers.runner.step_plan import StepPlan
 
 W13_SHARDS = {"w1": 0, "w3": 1}  # gate_proj, up_proj
 
@@ -122,17 +123,16 @@ class MoEBlock(nn.Module):
         self.experts = Experts(num_experts, hidden, intermediate)
         self.shared_experts = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: AddNorm, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on ``x``'s normed rows, and their residual sum: the router and the
+        experts all read the normed rows, so the add-norm runs on its own."""
+        normed, residual = x()
+        return self.on_normed(normed, plan), residual
+
+    def on_normed(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """The block on rows already normed."""
         topk_weights, topk_ids = self.gate(x)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts.on_normed(x, plan)
         return out
-
-    def forward_normed(
-        self, norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(self(norm(hidden + residual)), hidden + residual)``: the router and the
-        experts all read the normed row, so the add-norm runs on its own."""
-        normed, residual = norm(hidden, residual)
-        return self(normed), residual

@@ -16,13 +16,15 @@ The engine's decode steps take ``replay_steps``: the step's requests are packed
 on the host into a page-locked slot, and one kernel (``ops.stage_decode_inputs``)
 writes every static input from it, the padding and the previous step's
 in-flight tokens included, and the block tables and lengths where the backend's
-graph reads them (``graph_reads_batch_index``). So no copy is launched between
-two replays. ``forward`` (a batch already on the device) copies its tensors in.
+graph reads them (``AttentionKernel.reads_batch_index``). So no copy is launched
+between two replays. ``forward`` (a batch already on the device) copies its tensors
+in. Each size is captured with the step plan of its own size (``step_plan.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,8 +39,21 @@ from splitserve.workers.runner.cuda_graphs.owner import CAPTURE_ERROR_MODE, Grap
 from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
 from splitserve.workers.runner.input_batch import StepRequest, padded_block_tables
 from splitserve.workers.runner.pinned_ring import PinnedRing, PinnedSlot
+from splitserve.workers.runner.step_plan import plan_step
 
 PAD_SEQ_LEN = 1  # a padded request attends one zero key of the null page
+
+
+@dataclass
+class DecodeGraph:
+    """One captured size."""
+
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [size, hidden]: the captured forward's output
+    batch: ForwardBatch  # the static batch it was captured with, its plan included
+    # The backend's attention reads the static block tables and lengths as they are
+    # (``AttentionKernel.reads_batch_index``): a replay writes them, no prepare_replay.
+    reads_batch_index: bool
 
 
 class DecodeGraphRunner:
@@ -60,7 +75,7 @@ class DecodeGraphRunner:
         self.sizes = sorted(sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardBatch]] = {}
+        self._graphs: dict[int, DecodeGraph] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._staging = PinnedRing(torch.int32)  # replay_steps' packed rows
         # Staged rows are int32: every slot of the cache must fit.
@@ -118,6 +133,7 @@ class DecodeGraphRunner:
             self._allocate()
         fb = self._static_batch(size)
         self.attn_backend.prepare_capture(size, fb)
+        fb.plan = plan_step(fb)
         self.model(fb.input_ids, fb.positions, fb)  # warm-up: JIT kernels, cuBLAS handles
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -125,7 +141,8 @@ class DecodeGraphRunner:
             graph, pool=owner.pool, stream=owner.stream, capture_error_mode=CAPTURE_ERROR_MODE
         ):
             hidden = self.model(fb.input_ids, fb.positions, fb)
-        self._graphs[size] = (graph, hidden, fb)
+        reads_index = self.attn_backend.kernel(fb).reads_batch_index
+        self._graphs[size] = DecodeGraph(graph, hidden, fb, reads_index)
 
     def can_run_steps(self, steps: list[StepRequest]) -> bool:
         """Whether ``replay_steps`` runs these requests: each decodes one token and
@@ -150,11 +167,10 @@ class DecodeGraphRunner:
         ``previous``, the tokens of the step still in flight."""
         n, b = len(steps), self._buffers
         size = bucket(self.sizes, n)
-        graph, hidden, static = self._graphs[size]
+        captured = self._graphs[size]
         seq_lens = [s.num_computed + 1 for s in steps]
         block_ids = [s.block_ids for s in steps]
-        padded = _padded(static, seq_lens, block_ids)
-        index = self.attn_backend.graph_reads_batch_index(size, padded)
+        index = captured.reads_batch_index
         slot = self._stage(steps, block_ids, sources)
         ops.stage_decode_inputs(
             slot.tensor.view(n, -1), previous if any(i >= 0 for i in sources) else None,
@@ -164,10 +180,10 @@ class DecodeGraphRunner:
         )  # fmt: skip
         slot.queued()
         if not index:
-            self.attn_backend.prepare_replay(size, padded)
-        graph.replay()
+            self.attn_backend.prepare_replay(size, _padded(captured.batch, seq_lens, block_ids))
+        captured.graph.replay()
         fb = dataclasses.replace(
-            static,
+            captured.batch,
             input_ids=b["input_ids"][:n],
             positions=b["positions"][:n],
             query_lens=[1] * n,
@@ -180,7 +196,7 @@ class DecodeGraphRunner:
             logits_indices=b["logits_indices"][:n],
             logits_rows=slice(0, n),
         )
-        return hidden[:n], fb
+        return captured.hidden[:n], fb
 
     def _stage(
         self, steps: list[StepRequest], block_ids: list[list[int]], sources: list[int]
@@ -205,11 +221,11 @@ class DecodeGraphRunner:
         fb = forward_batch
         n = fb.num_tokens
         size = bucket(self.sizes, n)
-        graph, hidden, static = self._graphs[size]
+        captured = self._graphs[size]
         self._fill(fb, size)
-        self.attn_backend.prepare_replay(size, _padded(static, fb.seq_lens, fb.block_ids))
-        graph.replay()
-        return hidden[:n]
+        self.attn_backend.prepare_replay(size, _padded(captured.batch, fb.seq_lens, fb.block_ids))
+        captured.graph.replay()
+        return captured.hidden[:n]
 
     def _fill(self, fb: ForwardBatch, size: int) -> None:
         """Write the step's token inputs into rows ``[:n]`` and re-fill every padded row.

@@ -27,6 +27,7 @@ from splitserve.workers.attention.base import AttentionBackend, AttentionSpec, Q
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.runner.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner, bucket
 from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
+from splitserve.workers.runner.step_plan import plan_step
 
 
 @dataclass
@@ -77,6 +78,7 @@ class PiecewiseGraphRunner:
             self._positions = torch.zeros_like(self._input_ids)
         cutter = _CutAtAttention(self, owner, size)
         fb = self._capture_batch(size, cutter)
+        fb.plan = plan_step(fb)  # of this size; attention (eager at replay) fuses nothing
         self.model(fb.input_ids, fb.positions, fb)  # warm-up, nothing captured
         torch.cuda.synchronize(self.device)
         cutter.capturing = True
@@ -166,7 +168,7 @@ class _CutAtAttention(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionSpec,
         forward_batch: ForwardBatch,
-        norm_rope: QKNormRope | None = None,  # never given: fuses_norm_rope is False
+        norm_rope: QKNormRope | None = None,  # never given: kernel() norms no q/k
     ) -> torch.Tensor:
         if not self.capturing:
             return self.runner.attention_output(q)

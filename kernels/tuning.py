@@ -1,0 +1,73 @@
+"""Which kernel variants and tiles each GPU takes: the one table that names GPU models.
+
+A choice differs by GPU only where a measurement showed that it should; the
+figures, and the runs that gave them, are in ``docs/perf/TUNING.md``. A device
+is looked up by a substring of its name (``GPUS``); a GPU the table does not
+name takes ``DEFAULT``, and Triton's CPU interpreter, which runs the kernel
+tests, ``INTERPRETER``. Nothing here imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.kernels.triton import device as gpu
+
+# Rows of a matmul (the requests of a decode step) that the Triton linear takes on
+# every GPU, and up to which the medium-batch kernels take more.
+SMALL_BATCH_ROWS = 16
+MEDIUM_BATCH_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch shape: ``[block_n, block_k]`` weight tiles, pipeline depth, warps."""
+
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class GpuTuning:
+    """What one kind of GPU takes."""
+
+    # From SMALL_BATCH_ROWS + 1 to MEDIUM_BATCH_ROWS rows: a gated MLP's SiLU-and-mul in
+    # its gate_up projection's epilogue (``gate_up_silu.py``), and the Triton linear in
+    # one wave of whole-K programs where the weight fits one (``linear.one_wave``).
+    # Each kernel alone beats cuBLAS wherever it was timed, but only on some GPUs did a
+    # whole decode step gain; elsewhere cuBLAS and the SiLU kernel keep these rows.
+    medium_batch_kernels: bool = False
+    # ``gate_up_silu.py``'s tiles (wherever it runs; the tests call it on any GPU).
+    gate_up_silu_tiles: Tiles = field(default_factory=lambda: Tiles(64, 128, 4, 4))
+
+
+GPUS: dict[str, GpuTuning] = {
+    "H100": GpuTuning(medium_batch_kernels=True),
+}
+DEFAULT = GpuTuning()
+INTERPRETER = GpuTuning(medium_batch_kernels=True)  # the kernel tests run every kernel
+# The SM count the interpreter stands in with, and the default of the linear's tiling:
+# an H200's, the GPU its tiles were first timed on.
+INTERPRETER_SMS = 132
+
+
+def for_device(device: torch.device) -> GpuTuning:
+    """The table's entry for ``device``: by its name on a GPU, ``INTERPRETER`` off it."""
+    if device.type != "cuda":
+        return INTERPRETER
+    return _by_name(gpu.name(device))
+
+
+def medium_batch_kernels(device: torch.device) -> bool:
+    """Whether 17 to 64 rows take the Triton kernels on ``device`` (``GpuTuning``)."""
+    return for_device(device).medium_batch_kernels
+
+
+@functools.cache
+def _by_name(name: str) -> GpuTuning:
+    return next((tuning for key, tuning in GPUS.items() if key in name), DEFAULT)
