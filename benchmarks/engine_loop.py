@@ -54,6 +54,7 @@ from roofline import (  # noqa: E402
     write_report,
 )
 
+from splitserve.config import KernelConfig  # noqa: E402
 from splitserve.kernels.triton import pdl  # noqa: E402
 from splitserve.sampling_params import SamplingParams  # noqa: E402
 from splitserve.workers.engine.llm_engine import LLMEngine  # noqa: E402
@@ -164,8 +165,8 @@ def main() -> None:
         "--split-kv-max-batch",
         type=int,
         metavar="N",
-        help="decode batches up to N run the Triton split-KV attention (default: the "
-        "backend's; 0: FlashInfer for every batch)",
+        help="decode batches up to N run the Triton split-KV attention (the config's "
+        "kernels.split_kv_max_batch; default: its default; 0: FlashInfer for every batch)",
     )
     parser.add_argument(
         "--pdl",
@@ -185,10 +186,10 @@ def main() -> None:
     print(f"copy bandwidth {bandwidth:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s")
     if args.pdl is not None:
         pdl.set_enabled(args.pdl == "on")
-    engine = bench_engine(args.kv_cache_gb)
+    kernels = KernelConfig()
     if args.split_kv_max_batch is not None:
-        engine.runner.attn_backend.split_kv_max_batch = args.split_kv_max_batch
-        engine.runner.graphs.clear()  # captured again, with this attention, at the next step
+        kernels = KernelConfig(split_kv_max_batch=args.split_kv_max_batch)
+    engine = bench_engine(args.kv_cache_gb, kernels)
     shape = model_shape(engine)
     bench = LoopBench(engine)
     if args.sustained:

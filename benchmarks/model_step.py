@@ -40,7 +40,13 @@ from roofline import (  # noqa: E402
     write_report,
 )
 
-from splitserve.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from splitserve.config import (  # noqa: E402
+    CacheConfig,
+    CudaGraphConfig,
+    EngineConfig,
+    KernelConfig,
+    SchedulerConfig,
+)
 from splitserve.workers.engine.llm_engine import LLMEngine  # noqa: E402
 from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch  # noqa: E402
 
@@ -94,9 +100,10 @@ def model_shape(engine: LLMEngine) -> Shape:
     )
 
 
-def bench_engine(kv_cache_gb: float) -> LLMEngine:
+def bench_engine(kv_cache_gb: float, kernels: KernelConfig | None = None) -> LLMEngine:
     """The benchmarks' engine: MODEL with random bf16 weights on the GPU, prefix caching
-    off, up to 64 requests and PREFILL_TOKENS tokens a step."""
+    off, up to 64 requests and PREFILL_TOKENS tokens a step; ``kernels``: the config's
+    kernel choices (default: the measured best)."""
     return LLMEngine(
         EngineConfig(
             model=MODEL,
@@ -108,6 +115,7 @@ def bench_engine(kv_cache_gb: float) -> LLMEngine:
                 max_num_seqs=64, max_num_batched_tokens=PREFILL_TOKENS, max_model_len=8192
             ),
             cuda_graph=CudaGraphConfig(prefill_sizes=list(PIECEWISE_SIZES)),
+            kernels=kernels or KernelConfig(),
         )
     )
 

@@ -354,7 +354,7 @@ def test_split_kv_decode_norms_and_rotates_q_and_k_up_to_16_requests(batch, monk
     )
     fb = build_forward_batch(steps, cache, fi, "cuda")
     norm_rope = QKNormRope(positions, *weights, 1e-6, angles.cos(), angles.sin())
-    assert fi.fuses_norm_rope(fb) == (batch <= 16)
+    assert fi.kernel(fb).norms_qk == (batch <= 16)
     out = layer(q, k, v, fb, norm_rope).float()
     assert len(calls) == (0 if batch <= 16 else 1)
     new_k = cache.k[0].view(-1, kv_heads, head_dim)[fb.slot_mapping].float()

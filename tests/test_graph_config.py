@@ -27,6 +27,18 @@ def test_graph_config_errors_name_the_key():
         EngineConfig.from_dict({"cuda_graph": {"max_size": 8}})
 
 
+def test_kernel_config_errors_name_the_key():
+    assert EngineConfig().kernels.split_kv_max_batch == 64
+    config = EngineConfig.from_dict({"kernels": {"split_kv_max_batch": 0}})
+    assert config.kernels.split_kv_max_batch == 0  # FlashInfer decodes every batch
+    with pytest.raises(ValueError, match="kernels.split_kv_max_batch=-1"):
+        EngineConfig.from_dict({"kernels": {"split_kv_max_batch": -1}})
+    with pytest.raises(ValueError, match="kernels.split_kv_max_batch=True"):
+        EngineConfig.from_dict({"kernels": {"split_kv_max_batch": True}})
+    with pytest.raises(ValueError, match="unknown config key 'kernels.split_kv_max_batches'"):
+        EngineConfig.from_dict({"kernels": {"split_kv_max_batches": 8}})
+
+
 def test_bucket_is_the_smallest_size_that_holds_the_step():
     assert bucket([1, 2, 4, 8], 1) == 1
     assert bucket([1, 2, 4, 8], 3) == 4

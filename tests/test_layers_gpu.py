@@ -23,6 +23,7 @@ from splitserve.workers.model.layers.layernorm import RMSNorm
 from splitserve.workers.model.layers.mlp import GatedMLP
 from splitserve.workers.model.layers.moe import Experts, GroupedTopKRouter, MoEBlock, SoftmaxRouter
 from splitserve.workers.model.layers.rotary_embedding import get_rope
+from splitserve.workers.runner.step_plan import StepPlan, plan_rows
 from tests.kernels.utils import prefill_then_decode, prompts, tiny_model
 
 pytestmark = [
@@ -77,6 +78,11 @@ def cpu32(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.float().cpu() for t in tensors]
 
 
+def plan(x: torch.Tensor) -> StepPlan:
+    """The plan of a step of ``x``'s rows on its device, as the runner makes it."""
+    return plan_rows(x.shape[0], x.device)
+
+
 # ---- each layer against the float32 reference
 
 
@@ -121,7 +127,9 @@ def test_rotary_embedding(partial, dtype):
 def test_gated_mlp(num_tokens, dtype):
     mlp = on_gpu(lambda: GatedMLP(HIDDEN, 512), dtype)
     x = randn(num_tokens, HIDDEN, dtype=dtype)
-    assert rel_err(mlp(x), reference(mlp)(*cpu32(x))) <= TOL[dtype]
+    (x_ref,) = cpu32(x)
+    got, want = mlp.on_normed(x, plan(x)), reference(mlp).on_normed(x_ref, plan(x_ref))
+    assert rel_err(got, want) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -176,7 +184,9 @@ def test_router_and_moe_block_float32(kind, num_tokens):
     order, ref_order = ids.argsort(-1).cpu(), ref_ids.argsort(-1)
     assert torch.equal(ids.cpu().gather(1, order), ref_ids.gather(1, ref_order))
     assert rel_err(weights.cpu().gather(1, order), ref_weights.gather(1, ref_order)) <= 1e-5
-    assert rel_err(block(x), ref(*cpu32(x))) <= TOL[torch.float32]
+    (x_ref,) = cpu32(x)
+    got, want = block.on_normed(x, plan(x)), ref.on_normed(x_ref, plan(x_ref))
+    assert rel_err(got, want) <= TOL[torch.float32]
 
 
 # ---- whole tiny models
@@ -272,13 +282,14 @@ def capture(fn, *static_inputs: torch.Tensor):
 def test_moe_block_cuda_graph_replays_new_inputs(kind, num_tokens):
     block = build_moe(kind, torch.bfloat16)
     static_x = randn(num_tokens, HIDDEN, dtype=torch.bfloat16)
-    graph, static_out = capture(block, static_x)
+    step = plan(static_x)
+    graph, static_out = capture(lambda x: block.on_normed(x, step), static_x)
     previous = None
     for _ in range(3):
         x = randn(num_tokens, HIDDEN, dtype=torch.bfloat16)
         static_x.copy_(x)
         graph.replay()
-        eager = block(x)
+        eager = block.on_normed(x, step)
         assert rel_err(static_out, eager) <= 1e-3
         if previous is not None:
             assert not torch.equal(static_out, previous)  # the replay saw the new input
@@ -297,7 +308,7 @@ def test_dense_layers_cuda_graph_replays_new_inputs():
     def piece(x, residual, positions, q, k):
         hidden, residual = norm(x, residual)
         q, k = rope(positions, q, k)
-        return mlp(hidden), residual, q, k
+        return mlp.on_normed(hidden, plan(hidden)), residual, q, k
 
     def inputs():
         return (

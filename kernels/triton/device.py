@@ -8,6 +8,7 @@ import functools
 
 import torch
 
+
 def sm_count(device: torch.device, off_gpu: int) -> int:
     """The device's SM count; ``off_gpu`` for a CPU tensor (Triton's interpreter)."""
     if device.type != "cuda":

@@ -28,6 +28,14 @@ def pdl_switch():
     pdl.set_enabled(True)
 
 
+def test_the_switch_is_a_defined_setting():
+    """``SPLITSERVE_PDL`` is read through ``splitserve.config.env``: defined once, on by
+    default."""
+    from splitserve.config import ENV_VARS
+
+    assert ENV_VARS["SPLITSERVE_PDL"][1] == "1"
+
+
 FLAGS = [(a, b, c) for a in (False, True) for b in (False, True) for c in (False, True)]
 
 
