@@ -15,12 +15,12 @@ calls, so both workers free the request's KV blocks.
 """
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,8 +44,9 @@ from splitserve.cluster.openai_api import (
 )
 from splitserve.cluster.serve_config import ServeConfig
 from splitserve.cluster.stats_board import get_or_create_board
-from splitserve.cluster.worker_calls import WorkerFailed, guard, output_of, watch_prefill
+from splitserve.cluster.worker_calls import WorkerFailed, guard, watch_prefill
 from splitserve.sampling_params import SamplingParams
+from splitserve.workers.engine.messages import Delta, GenerateCall, Routed, TicketIssued
 from splitserve.workers.model.loader import load_hf_config
 from splitserve.workers.model.tokenizer import load_tokenizer, tiny_tokenizer
 from splitserve.workers.output.request_output import RequestOutput
@@ -206,38 +207,35 @@ class OpenAIIngress:
 
     def _attempt(self, routes: list[str], rid, prompt_ids, params) -> AsyncIterator:
         """One try along the first route; the decode worker may append the route it took."""
-        request = {"request_id": rid, "prompt_token_ids": prompt_ids, "params": asdict(params)}
+        call = GenerateCall(rid, prompt_ids, params)
         if routes[0] == routing.DISAGGREGATED:
-            return self._disaggregated(request, routes)
-        return self._local("mixed" if routes[0] == routing.LOCAL_MIXED else "decode", request)
+            return self._disaggregated(call, routes)
+        return self._local("mixed" if routes[0] == routing.LOCAL_MIXED else "decode", call)
 
-    async def _local(self, pool: str, request: dict) -> AsyncIterator[RequestOutput]:
-        call = self.pools[pool].options(stream=True).generate.remote(request)
+    async def _local(self, pool: str, call: GenerateCall) -> AsyncIterator[RequestOutput]:
+        stream = self.pools[pool].options(stream=True).generate.remote(call)
         try:
-            async for item in guard(call, f"{pool} worker"):
-                yield output_of(item)
+            async for event in guard(stream, f"{pool} worker"):
+                if isinstance(event, Delta):
+                    yield event.to_output()
         finally:
-            call.cancel()
+            stream.cancel()
 
-    async def _disaggregated(self, request: dict, routes: list[str]) -> AsyncIterator:
-        remote = {
-            **request,
-            "remote": True,
-            "local_prefix_ratio": self.config.router.local_prefix_hit_ratio,
-        }
+    async def _disaggregated(self, call: GenerateCall, routes: list[str]) -> AsyncIterator:
+        ratio = self.config.router.local_prefix_hit_ratio
+        remote = dataclasses.replace(call, remote=True, local_prefix_ratio=ratio)
         decode = self.pools["decode"].options(stream=True).generate.remote(remote)
         prefill_call, watcher, failure = None, None, []
         try:
-            async for item in guard(decode, "decode worker", failure):
-                if "route" in item:
-                    routes.append(item["route"])
-                elif "kv_ticket" in item:
-                    prefill_call = self.pools["prefill"].prefill.remote(
-                        {**request, "kv_ticket": item["kv_ticket"]}
-                    )
+            async for event in guard(decode, "decode worker", failure):
+                if isinstance(event, Routed):
+                    routes.append(event.route)
+                elif isinstance(event, TicketIssued):
+                    prefill = dataclasses.replace(call, kv_ticket=event.ticket)
+                    prefill_call = self.pools["prefill"].prefill.remote(prefill)
                     watcher = asyncio.ensure_future(watch_prefill(prefill_call, decode, failure))
-                else:
-                    yield output_of(item)
+                elif isinstance(event, Delta):
+                    yield event.to_output()
         finally:
             decode.cancel()
             if prefill_call is not None:

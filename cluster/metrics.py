@@ -34,6 +34,7 @@ _REPLICA_GAUGES = {
     "splitserve_kv_blocks": ("num_blocks", "Usable KV blocks"),
     "splitserve_kv_usage": ("kv_usage", "Share of KV blocks in use"),
     "splitserve_worker_pid": ("pid", "Process id of the worker replica"),
+    "splitserve_engine_pid": ("engine_pid", "Process id of the worker replica's engine process"),
 }
 _POOL_COUNTERS = {
     "splitserve_kv_transfers": ("kv_transfers", "KV hand-offs acked by a decode worker"),

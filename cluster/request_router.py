@@ -1,9 +1,8 @@
 """Ray Serve request router of the worker pools: pinned calls, then least loaded.
 
-A call whose request dict names a ``worker`` (a replica id) goes to that
-replica: the ingress uses it for the steps of one request that must meet on
-the same worker, and prefill workers use it to reach a decode worker for the
-NCCL rendezvous. Other calls go to the replica with the lowest cost
+A call whose message names a ``worker`` (a replica id; ``NcclJoinCall``) goes
+to that replica: prefill workers reach a decode worker so for the NCCL
+rendezvous. Other calls go to the replica with the lowest cost
 (``cluster.routing``) from the stats each replica reports
 (``record_routing_stats``), plus what this router sent since.
 """
@@ -30,7 +29,7 @@ class PoolRequestRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         request = _request_of(pending_request)
-        target = request.get("worker")
+        target = getattr(request, "worker", None)
         if target:
             pinned = [r for r in candidate_replicas if r.replica_id.unique_id == target]
             return [pinned] if pinned else []
@@ -46,7 +45,7 @@ class PoolRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request, replica_id, result) -> None:
         request = _request_of(pending_request)
-        weight = len(request.get("prompt_token_ids", ())) if self.pool == "prefill" else 1
+        weight = len(getattr(request, "prompt_token_ids", ())) if self.pool == "prefill" else 1
         self._pending[replica_id.unique_id] += weight
         self._routed[pending_request.metadata.internal_request_id] = (replica_id.unique_id, weight)
 
@@ -56,8 +55,8 @@ class PoolRequestRouter(RequestRouter):
             self._pending[replica] = max(0, self._pending[replica] - weight)
 
 
-def _request_of(pending_request: PendingRequest | None) -> dict:
+def _request_of(pending_request: PendingRequest | None) -> object:
+    """The call's message (``workers/engine/messages.py``), or None."""
     if pending_request is None or not pending_request.args:
-        return {}
-    request = pending_request.args[0]
-    return request if isinstance(request, dict) else {}
+        return None
+    return pending_request.args[0]

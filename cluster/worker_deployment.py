@@ -1,12 +1,18 @@
 """A worker replica of one pool (prefill, decode or mixed): an engine behind Ray Serve.
 
-Calls take a plain request dict: ``request_id``, ``prompt_token_ids``,
-``params`` (SamplingParams fields) and, by call:
+The replica is an asyncio front; its engine runs in a process of its own
+(``workers/engine/engine_client.py``), so the replica's event loop never waits
+on the model and the engine never waits on the replica. Calls and events are
+the typed messages of ``workers/engine/messages.py``:
 
-- ``generate`` (streaming): ``remote`` (decode side of a disaggregated request)
-  and ``local_prefix_ratio``; yields ``Route``, ticket and delta outputs.
-- ``prefill``: ``kv_ticket`` from a decode worker; returns once the decode
-  worker has the KV (``{"ok": True}``) or with ``{"ok": False, "error": ...}``.
+- ``generate(GenerateCall)`` (streaming): yields lists of the request's events
+  (``Routed``, ``TicketIssued``, ``Delta``, ``Rejected``, ``Failed``), as many
+  as piled up since the last item, so a slow consumer takes several steps at
+  once instead of one Ray item per token.
+- ``prefill(GenerateCall with kv_ticket)``: returns the request's last event
+  once the decode worker has the KV (a ``Delta`` finished "transferred"), or
+  why not (``Rejected``, ``Failed``, a ``Delta`` with an error).
+- ``nccl_join(NcclJoinCall)``: the decode side of a prefill worker's rendezvous.
 
 Each replica posts its load to the stats board and reports it to Ray Serve
 for routing (``record_routing_stats``) and autoscaling
@@ -23,9 +29,13 @@ import ray
 from ray import serve
 
 from splitserve.config import EngineConfig
-from splitserve.errors import InvalidRequestError
-from splitserve.sampling_params import SamplingParams
-from splitserve.workers.engine.async_engine import AsyncEngine, Route
+from splitserve.workers.engine.engine_client import EngineClient
+from splitserve.workers.engine.messages import (
+    Event,
+    Failed,
+    GenerateCall,
+    NcclJoinCall,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,56 +49,29 @@ class EngineWorker:
         config = EngineConfig.from_dict({**engine_config, "role": pool})
         if config.kv_transfer.host == "127.0.0.1" and ray.is_initialized():
             config.kv_transfer.host = ray.util.get_node_ip_address()
-        options = {"owner": self.worker_id} if pool != "mixed" else {}
+        rendezvous = None
         if pool == "prefill" and config.kv_transfer.transport != "cpu":
-            options["rendezvous"] = _nccl_rendezvous(serve.get_replica_context().app_name)
-        self.engine = AsyncEngine(config, **options)
+            rendezvous = _nccl_rendezvous(serve.get_replica_context().app_name)
+        owner = self.worker_id if pool != "mixed" else ""
+        self.engine = EngineClient(config, owner=owner, rendezvous=rendezvous)
         self._board = get_or_create_board(namespace)
         self._stats_period_s = stats_period_s
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 
-    async def generate(self, request: dict) -> AsyncIterator:
-        params = SamplingParams(**request["params"])
-        stream = self.engine.generate(
-            request["request_id"],
-            request["prompt_token_ids"],
-            params,
-            remote=request.get("remote", False),
-            local_prefix_ratio=request.get("local_prefix_ratio"),
-        )
-        try:
-            async for item in stream:
-                yield _wire(item)
-        except InvalidRequestError as e:
-            yield {"error": str(e)}  # the request was rejected: the ingress answers 400
-        finally:
-            await stream.aclose()
+    async def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
+        async for events in self.engine.generate(call):
+            yield events
 
-    async def prefill(self, request: dict) -> dict:
-        params = SamplingParams(**request["params"])
-        stream = self.engine.generate(
-            request["request_id"],
-            request["prompt_token_ids"],
-            params,
-            kv_ticket=request["kv_ticket"],
-        )
-        try:
-            async for output in stream:
-                if output.finished:
-                    return {"ok": output.error is None, "error": output.error}
-        except InvalidRequestError as e:
-            return {"ok": False, "error": str(e)}
-        finally:
-            await stream.aclose()
-        return {"ok": False, "error": "the prefill ended without a result"}
+    async def prefill(self, call: GenerateCall) -> Event:
+        async for events in self.engine.generate(call):
+            last = events[-1]
+            if getattr(last, "finished", True):
+                return last
+        return Failed(call.request_id, "the prefill ended without a result")
 
-    async def nccl_join(self, request: dict) -> dict:
-        """Decode side of the NCCL rendezvous: join the pair's communicator as rank 1."""
-        transport = self.engine.engine.kv_transport
-        await asyncio.get_running_loop().run_in_executor(
-            None, transport.join, request["pair"], request["unique_id"]
-        )
-        return {"ok": True}
+    async def nccl_join(self, call: NcclJoinCall) -> bool:
+        self.engine.join(call.pair_key, call.unique_id)
+        return True
 
     def record_routing_stats(self) -> dict:
         return self.engine.stats.as_dict()
@@ -103,7 +86,7 @@ class EngineWorker:
 
     def check_health(self) -> None:
         if not self.engine.alive:
-            raise RuntimeError(f"engine loop stopped: {self.engine.error}")
+            raise RuntimeError(f"the engine stopped: {self.engine.error}")
 
     async def _report_loop(self) -> None:
         while True:
@@ -119,21 +102,11 @@ class EngineWorker:
             engine.shutdown()
 
 
-def _wire(item) -> dict:
-    """What crosses Ray: a route, a ticket, or a delta output."""
-    if isinstance(item, Route):
-        return {"route": item.name}
-    if item.kv_ticket is not None:
-        return {"kv_ticket": item.kv_ticket}
-    return {"output": item}
-
-
 def _nccl_rendezvous(app_name: str):
     """Ask the decode replica named in the ticket to join the pair's communicator."""
 
-    def rendezvous(ticket, pair_key: str, unique_id: bytes):
+    def rendezvous(owner: str, pair_key: str, unique_id: bytes) -> None:
         handle = serve.get_deployment_handle("decode", app_name=app_name)
-        request = {"worker": ticket.owner, "pair": pair_key, "unique_id": unique_id}
-        return handle.nccl_join.remote(request).result(timeout_s=60)
+        handle.nccl_join.remote(NcclJoinCall(owner, pair_key, unique_id)).result(timeout_s=60)
 
     return rendezvous

@@ -174,19 +174,22 @@ def test_client_disconnect_frees_kv_on_both_workers(server):
     assert server.metrics()['splitserve_requests_total{outcome="cancelled",route="disaggregated"}']
 
 
-def _replica_pids(server: Server) -> dict[str, int]:
-    """pool -> pid of its (single) live replica, from the metrics."""
+def _replica_pids(server: Server, process: str = "worker") -> dict[str, int]:
+    """pool -> pid of its (single) live replica, or of its engine process, from the metrics."""
     pids = {}
     for name, value in server.metrics().items():
-        m = re.match(r'splitserve_worker_pid\{pool="(\w+)"', name)
+        m = re.match(rf'splitserve_{process}_pid\{{pool="(\w+)"', name)
         if m:
             pids[m.group(1)] = int(value)
     return pids
 
 
+@pytest.mark.parametrize("process", ["worker", "engine"])
 @pytest.mark.parametrize("pool", ["decode", "prefill"])
-def test_killed_replica_ends_the_request_cleanly(server, pool):
-    pids = _replica_pids(server)
+def test_killed_replica_ends_the_request_cleanly(server, pool, process):
+    """kill -9 of a replica, or of its engine process: the stream ends cleanly (retried or
+    with an error), the replica is replaced and the pool serves again."""
+    pids = _replica_pids(server, process)
     body = _completion(f"Kill the {pool} worker. " + LONG_PROMPT * 2, max_tokens=150)
     results = []
 
@@ -207,7 +210,7 @@ def test_killed_replica_ends_the_request_cleanly(server, pool):
     server.wait_healthy()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until the new replica serves
-        if _replica_pids(server).get(pool) not in (None, pids[pool]):
+        if _replica_pids(server, process).get(pool) not in (None, pids[pool]):
             status, resp = server.post("/v1/completions", _completion(LONG_PROMPT * 2))
             if status == 200:
                 break

@@ -1,6 +1,6 @@
 """``splitserve serve`` with async scheduling in both workers, over HTTP on CPU.
 
-The serving loop (``workers/engine/async_engine.py``) then always has a step in
+The serving loop (``workers/engine/core_process.py``) then always has a step in
 flight: tokens must match the offline engine, concurrent streams must all
 finish, and a client that disconnects mid-stream must free its KV on both
 workers while its step is still being read back.

@@ -1,0 +1,189 @@
+"""The engine process boundary: a replica's ``EngineClient`` and its engine process.
+
+Real processes: the client starts ``core_process`` and talks msgpack frames to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from splitserve.config import EngineConfig
+from splitserve.sampling_params import SamplingParams
+from splitserve.workers.engine import messages
+from splitserve.workers.engine.engine_client import EngineClient, EngineStartError
+from splitserve.workers.engine.llm_engine import LLMEngine
+from splitserve.workers.engine.messages import (
+    Delta,
+    Failed,
+    GenerateCall,
+    Rejected,
+    StepEvents,
+    TicketIssued,
+    merge_deltas,
+)
+from splitserve.workers.sampling.sampler import TokenLogprobs
+
+CONFIG = {
+    "model": "qwen3-tiny",
+    "device": "cpu",
+    "cache": {"num_kv_blocks": 256},
+    "scheduler": {"max_model_len": 512, "max_num_seqs": 16},
+}
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = EngineClient(EngineConfig.from_dict(CONFIG))
+    yield c
+    c.shutdown()
+
+
+async def _collect(client: EngineClient, call: GenerateCall) -> tuple[list[int], int]:
+    tokens, items = [], 0
+    async for events in client.generate(call):
+        items += 1
+        for event in events:
+            assert isinstance(event, Delta), event
+            tokens += event.token_ids
+    return tokens, items
+
+
+def test_served_tokens_equal_the_engine_in_process(client):
+    prompts = [[1 + i, 7, 42, 9 + i] * (i + 1) for i in range(6)]
+
+    async def run():
+        calls = [GenerateCall(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        return await asyncio.gather(*[_collect(client, c) for c in calls])
+
+    served = asyncio.run(run())
+    engine = LLMEngine(EngineConfig.from_dict(CONFIG))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    offline = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                offline[out.request_id] = out.outputs[0].token_ids
+    for i, (tokens, items) in enumerate(served):
+        assert tokens == offline[f"r{i}"]
+        assert 1 <= items <= GREEDY.max_tokens  # a list per item, never more than a step's
+    assert client.alive
+
+
+def test_an_invalid_request_is_rejected_and_the_engine_goes_on(client):
+    async def run():
+        bad = GenerateCall("bad", [10**9], GREEDY)  # a token id beyond the vocabulary
+        events = [e async for batch in client.generate(bad) for e in batch]
+        good = await _collect(client, GenerateCall("good", [5, 6, 7], GREEDY))
+        return events, good
+
+    events, (tokens, _) = asyncio.run(run())
+    assert len(events) == 1 and isinstance(events[0], Rejected)
+    assert "out of range" in events[0].message
+    assert len(tokens) == GREEDY.max_tokens and client.alive
+
+
+def test_leaving_a_stream_aborts_its_request_and_frees_its_blocks(client):
+    async def run():
+        call = GenerateCall("left", [3] * 40, SamplingParams(max_tokens=400, ignore_eos=True))
+        async for _ in client.generate(call):
+            break  # the caller leaves after the first step's events
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 5
+    while client.stats.num_free_blocks != client.stats.num_blocks:
+        assert time.monotonic() < deadline, client.stats
+        time.sleep(0.05)
+    assert client.stats.num_running == 0
+
+
+def test_a_start_failure_raises_the_engines_own_error():
+    config = EngineConfig.from_dict({**CONFIG, "scheduler": {"max_model_len": 100000}})
+    with pytest.raises(EngineStartError, match="max_position_embeddings"):
+        EngineClient(config)
+
+
+def test_a_killed_engine_ends_every_stream_with_an_error():
+    client = EngineClient(EngineConfig.from_dict(CONFIG))
+
+    async def run():
+        long = SamplingParams(max_tokens=400, ignore_eos=True)
+        streams = [client.generate(GenerateCall(f"k{i}", [4, 5, 6], long)) for i in range(3)]
+        first = [await s.__anext__() for s in streams]  # every request is running
+        os.kill(client.pid, signal.SIGKILL)
+        last = []
+        for s in streams:
+            events = [e for batch in [b async for b in s] for e in batch]
+            last.append(events[-1])
+        return first, last
+
+    try:
+        _, last = asyncio.run(asyncio.wait_for(run(), 30))
+        assert all(isinstance(e, Failed) and "exited with code -9" in e.message for e in last)
+        assert not client.alive
+    finally:
+        client.shutdown()
+
+
+def test_the_engine_process_does_not_outlive_its_replica(tmp_path):
+    """A replica killed without shutting down: its engine process exits on its own."""
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        from splitserve.config import EngineConfig
+        from splitserve.workers.engine.engine_client import EngineClient
+        client = EngineClient(EngineConfig.from_dict({CONFIG!r}))
+        print(client.pid, flush=True)
+        os._exit(0)  # no shutdown: as a replica killed by Ray
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    engine_pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while _running(engine_pid):
+        assert time.monotonic() < deadline, "the engine process outlived its replica"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_messages_round_trip_through_the_codec():
+    params = SamplingParams(max_tokens=3, stop=["x"], seed=7, logprobs=2)
+    lp = TokenLogprobs(5, -0.5, [(5, -0.5), (9, -1.25)])
+    step = StepEvents(
+        [
+            Delta("a", [5], "hi", [lp], "stop", "x", 3, None),
+            TicketIssued("b", b"\x00ticket"),
+            Rejected("c", "bad prompt"),
+        ]
+    )
+    call = GenerateCall("a", [1, 2], params, remote=True, local_prefix_ratio=0.5)
+    assert messages.decode(messages.encode(call)) == call
+    decoded = messages.decode(messages.encode(step))
+    assert decoded.events[1:] == step.events[1:]
+    delta = decoded.events[0]
+    assert delta.token_ids == [5] and delta.finish_reason == "stop" and delta.stop_reason == "x"
+    assert [tuple(pair) for pair in delta.logprobs[0].top] == lp.top
+
+
+def test_merged_deltas_keep_every_token_in_order():
+    a = Delta("r", [1, 2], "ab", None, None, None, 0, None)
+    b = Delta("r", [3], "c", None, "length", None, 4, None)
+    merged = merge_deltas([a, b])
+    assert merged.token_ids == [1, 2, 3] and merged.text == "abc"
+    assert merged.finish_reason == "length" and merged.num_cached_tokens == 4

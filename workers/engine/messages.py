@@ -1,0 +1,239 @@
+"""What crosses a process or Ray boundary: the ingress, a worker replica and its engine
+process speak only these types.
+
+Calls, into a worker (ingress -> replica -> engine process):
+    ``GenerateCall``  a request to compute here (local), to decode after a prefill
+                      worker's hand-off (``remote``), or a prompt to compute and hand
+                      off (``kv_ticket``: a prefill worker)
+    ``Abort``         the caller left or failed: free the request's KV
+    ``NcclJoinCall``  a prefill worker's NCCL rendezvous with a decode replica
+Events, out of a worker, each for one request:
+    ``Routed``        a decode worker's route: ``disaggregated`` or ``local_prefix_hit``
+    ``TicketIssued``  blocks reserved: a prefill worker may now send the KV there
+    ``Delta``         what one step added to a request (tokens, text, logprobs, finish)
+    ``Rejected``      invalid request (the ingress answers 400), nothing was computed
+    ``Failed``        the request cannot go on (a failed hand-off, a dead engine)
+Load: ``WorkerStats``, every stats period.
+
+An engine step sends one ``StepEvents`` for all of its requests; a replica
+forwards what has piled up for a request as one list. Nothing crosses a
+boundary once per token per request.
+
+Between the replica and its engine process messages are msgpack frames,
+``[tag, *fields]`` (``encode`` / ``decode``); through Ray they travel as the
+objects themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from splitserve.sampling_params import SamplingParams
+from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
+from splitserve.workers.sampling.sampler import TokenLogprobs
+
+# ---- calls -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    remote: bool = False  # decode side of a disaggregated request: reserve, then receive
+    local_prefix_ratio: float | None = None  # remote: compute here above this prefix hit
+    kv_ticket: bytes | None = None  # prefill side: the decode worker's ticket
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class NcclJoinCall:
+    """To a decode replica (``worker``): join a prefill worker's NCCL pair as rank 1."""
+
+    worker: str
+    pair_key: str
+    unique_id: bytes
+
+
+# ---- events ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Routed:
+    request_id: str
+    route: str
+
+
+@dataclass(frozen=True)
+class TicketIssued:
+    request_id: str
+    ticket: bytes
+
+
+@dataclass
+class Delta:
+    """What a step added to a request; ``finish_reason`` set on its last one."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "transferred"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> Delta:
+        out = output.outputs[0]
+        return cls(
+            output.request_id,
+            out.token_ids,
+            out.text,
+            out.logprobs,
+            out.finish_reason,
+            out.stop_reason,
+            output.num_cached_tokens,
+            output.error,
+        )
+
+    def to_output(self) -> RequestOutput:
+        """The delta ``RequestOutput`` the response builders read."""
+        out = CompletionOutput(
+            0, self.text, self.token_ids, self.finish_reason, self.stop_reason, self.logprobs
+        )
+        return RequestOutput(
+            self.request_id,
+            None,
+            [],
+            [out],
+            self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            new_text=self.text,
+            new_token_ids=self.token_ids,
+            error=self.error,
+        )
+
+
+def merge_deltas(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one request as one (a consumer that lagged catches up)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in d.logprobs or []]
+    return dataclasses.replace(
+        last,
+        token_ids=[t for d in deltas for t in d.token_ids],
+        text="".join(d.text for d in deltas),
+        logprobs=logprobs,
+        num_cached_tokens=max(d.num_cached_tokens for d in deltas),
+    )
+
+
+@dataclass(frozen=True)
+class Rejected:
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    request_id: str
+    message: str
+
+
+Event = Routed | TicketIssued | Delta | Rejected | Failed
+
+
+@dataclass
+class StepEvents:
+    """Everything one engine step produced, for all of its requests, in order."""
+
+    events: list[Event] = field(default_factory=list)
+
+
+# ---- load ------------------------------------------------------------------
+
+
+@dataclass
+class WorkerStats:
+    role: str
+    engine_pid: int  # the engine process
+    pid: int = 0  # the replica that holds it (set by the replica)
+    num_running: int = 0
+    num_waiting: int = 0  # prompts waiting to be scheduled
+    num_waiting_for_kv: int = 0  # remote requests with reserved blocks or waiting for them
+    num_sending_kv: int = 0  # prefill side: first token sampled, waiting for the ack
+    queued_prompt_tokens: int = 0  # prompt tokens not computed yet
+    num_free_blocks: int = 0
+    num_blocks: int = 1  # usable blocks (the null page excluded)
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    kv_transfers: int = 0  # finished sends
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    num_steps: int = 0  # engine steps so far (progress, for a watchdog)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---- the replica <-> engine process codec ------------------------------------------
+
+_TYPES: list[type] = [
+    GenerateCall,
+    Abort,
+    NcclJoinCall,
+    Routed,
+    TicketIssued,
+    Delta,
+    Rejected,
+    Failed,
+    StepEvents,
+    WorkerStats,
+    SamplingParams,
+    TokenLogprobs,
+]
+_TAG = {t: i for i, t in enumerate(_TYPES)}
+
+
+def register(message_type: type) -> type:
+    """Add a dataclass to the codec (the engine process's control messages)."""
+    _TAG[message_type] = len(_TYPES)
+    _TYPES.append(message_type)
+    return message_type
+
+
+def encode(message: Any) -> bytes:
+    return msgpack.packb(message, default=_pack, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Any:
+    return msgpack.unpackb(frame, ext_hook=_unpack, raw=False, strict_map_key=False)
+
+
+def _pack(obj: Any) -> msgpack.ExtType:
+    tag = _TAG.get(type(obj))
+    if tag is None:
+        raise TypeError(f"{type(obj).__name__} is not a message type")
+    fields = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return msgpack.ExtType(tag, msgpack.packb(fields, default=_pack, use_bin_type=True))
+
+
+def _unpack(tag: int, data: bytes) -> Any:
+    fields = msgpack.unpackb(data, ext_hook=_unpack, raw=False, strict_map_key=False)
+    return _TYPES[tag](*fields)
