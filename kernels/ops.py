@@ -29,7 +29,7 @@ from splitserve.kernels import qk_norm_rope as norm_rope
 
 def use_triton(x: torch.Tensor | torch.device) -> bool:
     """Whether ops on tensors like ``x`` (or on the device ``x``) run the Triton kernels."""
-    return x.type == "cuda" if isinstance(x, torch.device) else x.is_cuda
+    return x.type == "cuda" if type(x) is torch.device else x.is_cuda
 
 
 @functools.cache
