@@ -33,8 +33,8 @@ class AddNorm:
     x: torch.Tensor
     residual: torch.Tensor | None
 
-    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(normed, sum)`` from the norm's own kernel."""
+    def apply(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normed rows, sum)`` from the norm's own kernel."""
         if self.residual is None:
             return self.norm(self.x), self.x
         return self.norm(self.x, self.residual)

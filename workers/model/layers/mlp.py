@@ -28,7 +28,7 @@ class GatedMLP(nn.Module):
         gate_up projection's kernel, unless the SiLU-and-mul does (that kernel cannot
         take both) and it runs alone."""
         if plan.activation is Activation.IN_GATE_UP:
-            normed, residual = x()
+            normed, residual = x.apply()
             return self.on_normed(normed, plan), residual
         gate_up, residual = x.project(self.gate_up_proj)
         return self.down(gate_up), residual

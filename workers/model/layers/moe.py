@@ -126,7 +126,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: AddNorm, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """The block on ``x``'s normed rows, and their residual sum: the router and the
         experts all read the normed rows, so the add-norm runs on its own."""
-        normed, residual = x()
+        normed, residual = x.apply()
         return self.on_normed(normed, plan), residual
 
     def on_normed(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
