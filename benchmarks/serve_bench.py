@@ -1,0 +1,389 @@
+"""The serving benchmark: streamed completions against ``splitserve serve``, under load.
+
+    python benchmarks/serve_bench.py --config configs/serve/default.yaml [--config ...]
+        [--input-len 64 --output-len 64 | --prompts-file F.jsonl] [--num-prompts 128]
+        [--request-rate 1 4 inf] [--max-concurrency 1 16 64]
+        [--slo-ttft-ms 200 --slo-tpot-ms 20] [--engine-baseline] [--low-load-ttft 20]
+        [--json PATH] [--plot PATH.png]
+    python benchmarks/serve_bench.py --url http://host:8000 [--config ITS_CONFIG] ...
+
+Each ``--config`` in turn: its ``splitserve serve`` is started on a free port (or
+``--port``), waited for on ``/health``, and stopped with SIGINT at the end;
+``--url`` measures a running server instead. A load point sends ``--num-prompts``
+requests open-loop (``--request-rate``: Poisson arrivals, ``inf``: all at once)
+or closed-loop (``--max-concurrency``); ``serve_load.py`` times every request.
+Prompts are random token ids (a simulated load shape), new ones each point (no
+prefix-cache hits between points), the same across configs; ``--prompts-file``
+gives real ones (the same every point: later points may hit the prefix cache,
+counted as ``cached_prompt_tokens``).
+
+``--engine-baseline`` runs ``LLM`` built from the config's ``engine:`` section on
+the same prompts, before the server starts (``serve_engine.py``): served over
+engine output tokens/s for each closed-loop point (the engine's ``max_num_seqs``
+lowered to the concurrency) and for the highest-rate point (``max_num_seqs`` as
+configured). ``--low-load-ttft N`` sends N requests one at a time and reports
+the served p50 TTFT minus the engine's p50 TTFT for the same prompts: what the
+serving path adds at low load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import yaml
+
+try:
+    import roofline
+    import serve_engine
+    import serve_load
+    import serve_process as sp
+except ImportError:  # imported as benchmarks.serve_bench (the tests)
+    from benchmarks import roofline, serve_engine, serve_load
+    from benchmarks import serve_process as sp
+
+DEFAULT_VOCAB_SIZE = 256  # below the tiny presets' 512, for servers whose model is unknown
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class LoadPoint:
+    mode: str  # "rate" or "concurrency"
+    value: float
+    specs: list[serve_load.RequestSpec]
+
+    @property
+    def label(self) -> str:
+        value = "inf" if self.value == float("inf") else f"{self.value:g}"
+        return f"{self.mode}={value}"
+
+
+# --- the workload --------------------------------------------------------------------
+
+
+def vocab_size_of(model: str | None) -> int:
+    """The model's vocab (read from its HF config or preset), else DEFAULT_VOCAB_SIZE."""
+    try:
+        from splitserve.workers.model.loader import load_hf_config
+
+        return int(load_hf_config(model)[0].vocab_size)
+    except Exception as e:
+        print(f"warning: vocab of {model!r} unknown ({e}); ids below {DEFAULT_VOCAB_SIZE}")
+        return DEFAULT_VOCAB_SIZE
+
+
+def prompts(args, vocab_size: int, tag: str, num: int) -> list[serve_load.RequestSpec]:
+    if args.prompts_file and tag not in ("warmup", "low-load"):
+        return serve_load.read_prompts_file(args.prompts_file, args.output_len)[:num]
+    return serve_load.random_prompts(
+        num, args.input_len, args.input_len_range, args.output_len, vocab_size, f"{args.seed}/{tag}"
+    )
+
+
+def load_points(args, vocab_size: int) -> list[LoadPoint]:
+    shapes = [("rate", r) for r in args.request_rate or []]
+    shapes += [("concurrency", c) for c in args.max_concurrency or []]
+    points = [LoadPoint(mode, value, []) for mode, value in shapes or [("rate", float("inf"))]]
+    for p in points:
+        p.specs = prompts(args, vocab_size, p.label, args.num_prompts)
+    return points
+
+
+def baseline_spec(
+    engine: dict, points: list[LoadPoint], warmup, low_load, threads: int | None
+) -> dict:
+    """The closed-loop points, and the highest-rate point at the configured max_num_seqs."""
+    rates = [p for p in points if p.mode == "rate"]
+    chosen = [p for p in points if p.mode == "concurrency"]
+    chosen += [max(rates, key=lambda p: p.value)] if rates else []
+
+    def requests(specs):
+        return {"prompts": [s.prompt for s in specs], "max_tokens": [s.max_tokens for s in specs]}
+
+    return {
+        "engine": engine,
+        "threads": threads,
+        "warmup": [s.prompt for s in warmup],
+        "max_tokens": warmup[0].max_tokens,
+        "points": [
+            {
+                "label": p.label,
+                **requests(p.specs),
+                "max_num_seqs": int(p.value) if p.mode == "concurrency" else None,
+            }
+            for p in chosen
+        ],
+        "ttft": requests(low_load) if low_load else None,
+    }
+
+
+# --- one config ----------------------------------------------------------------------
+
+
+def run(url: str, specs, mode: str, value: float, args, seed: str):
+    return asyncio.run(
+        serve_load.run_load(
+            f"{url}/v1/completions",
+            specs,
+            mode,
+            value,
+            seed=f"{args.seed}/{seed}",
+            token_ids=not args.no_token_ids,
+            timeout_s=args.timeout,
+        )
+    )
+
+
+def bench_target(args, config: Path | None, url: str | None) -> dict:
+    values = (yaml.safe_load(config.read_text()) or {}) if config else {}
+    engine = dict(values.get("engine") or {})
+    if args.model:
+        engine["model"] = args.model
+    model = engine.get("model", "qwen3-tiny") if config else None
+    if url and not model:
+        model = sp.get_json(f"{url}/v1/models")["data"][0].get("root")
+    vocab = args.vocab_size or vocab_size_of(model)
+    points = load_points(args, vocab)
+    warmup = prompts(args, vocab, "warmup", max(1, args.warmup))
+    low_load = prompts(args, vocab, "low-load", args.low_load_ttft) if args.low_load_ttft else []
+    out = {"label": config.stem if config else url, "config": str(config) if config else None}
+    out.update(config_values=values, model=model, vocab_size=vocab)
+    out["background_cpu_busy"] = busy = sp.background_cpu_busy()
+    if busy is not None and busy > 0.1:
+        print(f"warning: the machine is {busy:.0%} busy before the run; figures will be skewed")
+    baseline = None
+    if args.engine_baseline:
+        if not config:
+            raise SystemExit("--engine-baseline needs --config (the engine: section to build)")
+        print(f"[{out['label']}] engine alone (LLM) on the same prompts ...", flush=True)
+        spec = baseline_spec(engine, points, warmup, low_load, args.engine_threads)
+        baseline = out["engine_baseline"] = serve_engine.engine_baseline(spec)
+    if url:
+        target = contextlib.nullcontext(url)
+    else:
+        host = values.get("host", "127.0.0.1")
+        target = sp.served(config, host, args.model, args.port, args.startup_timeout)
+    with target as base:
+        out["served_models"] = sp.get_json(f"{base}/v1/models")["data"]
+        run(base, warmup, "rate", float("inf"), args, "warmup")
+        if low_load:
+            results, seconds = run(base, low_load, "concurrency", 1, args, "low-load")
+            out["low_load_ttft"] = low_load_report(results, seconds, baseline)
+        out["points"] = [run_point(args, out["label"], base, p, baseline) for p in points]
+    return out
+
+
+def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | None) -> dict:
+    before, cpu = sp.route_counts(url), sp.cpu_times()
+    results, seconds = run(url, point.specs, point.mode, point.value, args, point.label)
+    cpu, after = sp.cpu_busy(cpu, sp.cpu_times()), sp.route_counts(url)
+    summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
+    out = {"mode": point.mode, "value": point.value, "label": point.label, "summary": summary}
+    out["routes"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    out["machine_cpu_busy"] = cpu  # the server, the client and anything else
+    engine = (baseline or {}).get("points", {}).get(point.label)
+    if engine:
+        out["engine"] = engine
+        out["served_vs_engine"] = summary["output_throughput"] / engine["output_throughput"]
+    out["requests"] = [dataclasses.asdict(r) for r in results]
+    print(
+        f"[{label}] {point.label}: {summary['completed']}/{summary['sent']} done in "
+        f"{seconds:.2f} s, {summary['output_throughput']:.0f} out tok/s, "
+        f"TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms, routes {out['routes']}",
+        flush=True,
+    )
+    return out
+
+
+def low_load_report(results, seconds: float, baseline: dict | None) -> dict:
+    summary = serve_load.summarize(results, seconds)
+    out = {"requests": len(results), "served": summary, "served_ttft_ms": summary["ttft_ms"]}
+    if baseline and baseline.get("ttft_s"):
+        engine = serve_load.latency_stats(baseline["ttft_s"])
+        out["engine_ttft_ms"] = engine
+        if summary["ttft_ms"]["p50"] is not None:
+            out["added_p50_ms"] = summary["ttft_ms"]["p50"] - engine["p50"]
+    return out
+
+
+# --- the report ----------------------------------------------------------------------
+
+
+def workload_text(args) -> str:
+    if args.prompts_file:
+        return f"prompts from {args.prompts_file}, greedy, ignore_eos"
+    return (
+        f"random token ids (a simulated load shape): input {args.input_len} "
+        f"(+-{100 * args.input_len_range:g}%), output {args.output_len}, greedy, ignore_eos"
+    )
+
+
+def print_tables(report: dict) -> None:
+    args = report["arguments"]
+    print(f"\nPrompts: {report['workload']}; {args['num_prompts']} requests a load point.")
+    slo = f"TTFT <= {args['slo_ttft_ms']} ms, TPOT <= {args['slo_tpot_ms']} ms (None: no SLO)"
+    print(f"Goodput: completed requests meeting {slo}.\n")
+    rows, latency, low = [], [], []
+    for c in report["configs"]:
+        for p in c["points"]:
+            s = p["summary"]
+            engine = (p.get("engine") or {}).get("output_throughput")
+            rows.append(
+                [c["label"], p["label"], s["completed"], s["failed"], s["duration_s"]]
+                + [s["request_throughput"], s["output_throughput"], s["total_token_throughput"]]
+                + [s["goodput"], s["goodput_fraction"], engine, p.get("served_vs_engine")]
+            )
+            for m in LATENCIES:
+                latency.append([c["label"], p["label"], m[:-3].upper(), *s[m].values()])
+        if "low_load_ttft" in c:
+            t = c["low_load_ttft"]
+            served, engine = t["served_ttft_ms"], t.get("engine_ttft_ms") or {}
+            low.append([c["label"], t["requests"], served["p50"], engine.get("p50")])
+            low[-1] += [t.get("added_p50_ms"), served["p90"], engine.get("p90")]
+    columns = ["config", "load", "done", "failed", "s", "req/s", "out tok/s", "total tok/s"]
+    columns += ["good req/s", "good frac", "engine out tok/s", "served/eng"]
+    roofline.print_table(columns, rows)
+    print("\nLatency (ms):")
+    roofline.print_table(["config", "load", "metric", "mean", "p50", "p90", "p99"], latency)
+    if low:
+        print("\nTTFT at low load, one request at a time (ms):")
+        columns = ["config", "requests", "served p50", "engine p50", "added p50"]
+        roofline.print_table(columns + ["served p90", "engine p90"], low)
+
+
+def plot(path: Path, report: dict) -> None:
+    """p50 (solid) and p90 (dashed) TTFT, TPOT and E2E, and goodput, per load mode."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({p["mode"] for c in report["configs"] for p in c["points"]})
+    panels = ["ttft_ms", "tpot_ms", "e2e_ms", "goodput"]
+    fig, axes = plt.subplots(len(modes), 4, figsize=(16, 3.6 * len(modes)), squeeze=False)
+    for row, mode in zip(axes, modes):
+        for i, c in enumerate(report["configs"]):
+            points = sorted((p for p in c["points"] if p["mode"] == mode), key=lambda p: p["value"])
+            x = list(range(len(points)))
+            for ax, panel in zip(row, panels):
+                ys = [p["summary"][panel] for p in points]
+                if panel == "goodput":
+                    ax.plot(x, ys, "o-", color=f"C{i}", label=c["label"])
+                    continue
+                ax.plot(x, [y["p50"] for y in ys], "o-", color=f"C{i}", label=f"{c['label']} p50")
+                ax.plot(x, [y["p90"] for y in ys], "s--", color=f"C{i}", label=f"{c['label']} p90")
+            for ax in row:
+                ax.set_xticks(x, [p["label"].split("=")[1] for p in points])
+        for ax, panel in zip(row, panels):
+            ax.set_xlabel("request rate (req/s)" if mode == "rate" else "concurrency")
+            ax.set_ylabel("goodput (req/s)" if panel == "goodput" else f"{panel[:-3].upper()} ms")
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+        args = report["arguments"]
+        row[3].set_title(
+            f"SLO: TTFT {args['slo_ttft_ms']} ms, TPOT {args['slo_tpot_ms']} ms", fontsize=8
+        )
+    fig.suptitle(f"splitserve serve_bench: {report['workload']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def git_commit() -> dict:
+    def git(*words: str) -> str:
+        done = subprocess.run(["git", "-C", str(REPO), *words], capture_output=True, text=True)
+        return done.stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "-s", "-uno"))}
+
+
+def host_info() -> dict:
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "client": "aiohttp" if serve_load.aiohttp is not None else "httpx",
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", type=Path, nargs="+", default=[], help="serve configs, in turn")
+    p.add_argument("--url", help="a running server (http://host:port) instead of starting one")
+    p.add_argument("--model", help="passed to splitserve serve --model (and the engine baseline)")
+    p.add_argument("--port", type=int, help="the started server's port (default: a free one)")
+    p.add_argument("--vocab-size", type=int, help="random ids below this (default: the model's)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len-range", type=float, default=0.0, help="lengths +- this share")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens, with ignore_eos")
+    p.add_argument("--prompts-file", type=Path, help='JSONL: {"prompt": ...} or token ids')
+    p.add_argument("--num-prompts", type=int, default=128, help="requests per load point")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-rate", type=float, nargs="+", help="open-loop rates (inf: burst)")
+    p.add_argument("--max-concurrency", type=int, nargs="+", help="closed-loop concurrencies")
+    p.add_argument("--warmup", type=int, default=8, help="requests sent before measuring")
+    p.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
+    p.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")
+    p.add_argument("--engine-baseline", action="store_true", help="LLM alone on the same prompts")
+    p.add_argument("--engine-threads", type=int, help="torch threads of the engine alone")
+    p.add_argument("--low-load-ttft", type=int, default=0, metavar="N", help="N requests, 1 by 1")
+    p.add_argument("--no-token-ids", action="store_true", help="don't ask for return_token_ids")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a read may wait")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--json", type=Path, help="write every point and request here")
+    p.add_argument("--plot", type=Path, help="PNG of latency and goodput against load")
+    args = p.parse_args(argv)
+    if not args.config and not args.url:
+        args.config = [sp.default_config_path()]
+    if args.url and len(args.config) > 1:
+        p.error("--url takes at most one --config (the engine: section of that server)")
+    if any(c < 1 for c in args.max_concurrency or []) or any(
+        not r > 0 for r in args.request_rate or []
+    ):
+        p.error("--max-concurrency values must be >= 1 and --request-rate values > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    command = roofline.command_line("serve_bench.py", ("--json", "--plot"))
+    report = {
+        "benchmark": "serve_bench",
+        "workload": workload_text(args),
+        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "environment": {**roofline.environment(command), **git_commit(), "host": host_info()},
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "configs": [],
+    }
+    report["arguments"]["config"] = [str(c) for c in args.config]
+    targets = (
+        [(c, None) for c in args.config]
+        if not args.url
+        else [(args.config[0] if args.config else None, args.url.rstrip("/"))]
+    )
+    for config, url in targets:
+        report["configs"].append(bench_target(args, config, url))
+    print_tables(report)
+    if args.json:
+        roofline.write_report(args.json, report)
+    if args.plot:
+        plot(args.plot, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The engine alone, for ``serve_bench.py``: ``LLM`` on the prompts the server gets.
+
+    python benchmarks/serve_engine.py SPEC.json OUT.json
+
+Runs in a process of its own, before the server starts, so the two never share
+the CPU or GPU. SPEC (written by ``engine_baseline``)::
+
+    {"engine": the serve config's engine section (a mixed engine is built from it),
+     "threads": torch threads or null (torch's default; Ray's workers get 1 each),
+     "warmup": [prompt, ...], "max_tokens": int,
+     "points": [{"label": str, "prompts": [...], "max_tokens": [...], "max_num_seqs": int|null}],
+     "ttft": {"prompts": [...], "max_tokens": [...]}}
+
+- a point: ``LLM.generate`` on its prompts, greedy with ``ignore_eos``, with the
+  scheduler's ``max_num_seqs`` lowered to the point's (the serving point's
+  concurrency): output and total tokens/s over the call's wall time;
+- TTFT: one request at a time through the ``LLM``'s engine step loop
+  (``llm.engine.add_request`` then ``step()``), from adding it to the step that
+  returns its first token.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def engine_baseline(spec: dict, timeout_s: float = 3600.0) -> dict:
+    """Run this file on ``spec`` in a subprocess; its report."""
+    with tempfile.TemporaryDirectory(prefix="serve_engine_") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, str(Path(__file__).resolve()), str(spec_path), str(out_path)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"the engine baseline failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+            )
+        return json.loads(out_path.read_text())
+
+
+def build_llm(engine: dict, max_num_seqs: int | None):
+    """A mixed-role ``LLM`` from a serve config's engine section, as the workers build theirs."""
+    from splitserve import LLM
+
+    values = copy.deepcopy(engine)
+    values["role"] = "mixed"
+    if max_num_seqs is not None:
+        values["scheduler"] = {**(values.get("scheduler") or {}), "max_num_seqs": max_num_seqs}
+    return LLM(values.pop("model", "qwen3-tiny"), **values)
+
+
+def configured_max_num_seqs(engine: dict) -> int:
+    from splitserve.config import EngineConfig
+
+    return EngineConfig.from_dict(engine).scheduler.max_num_seqs
+
+
+def run_point(llm, prompts: list, max_tokens: list[int]) -> dict:
+    from splitserve import SamplingParams
+
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    errors = [o.error for o in outputs if o.error is not None]
+    if errors:
+        raise RuntimeError(f"the engine rejected {len(errors)} prompts, e.g. {errors[0]}")
+    output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    return {
+        "requests": len(outputs),
+        "duration_s": seconds,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "output_throughput": output / seconds,
+        "total_token_throughput": (prompt + output) / seconds,
+    }
+
+
+def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> list[float]:
+    """Seconds from ``add_request`` to the step that returns the first token, one at a time."""
+    from splitserve import SamplingParams
+
+    engine, seconds = llm.engine, []
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+        start, first = time.perf_counter(), None
+        engine.add_request(f"ttft-{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if first is None and out.new_token_ids:
+                    first = time.perf_counter() - start
+        seconds.append(first)
+    return seconds
+
+
+def main(spec_path: str, out_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    engine = spec["engine"]
+    cap = configured_max_num_seqs(engine)
+    report = {"torch_threads": torch.get_num_threads(), "max_num_seqs": cap, "points": {}}
+    llms: dict[int, object] = {}
+
+    def llm_for(max_num_seqs: int | None):
+        n = min(max_num_seqs or cap, cap)
+        if n not in llms:
+            llms.clear()  # one engine at a time
+            llms[n] = build_llm(engine, n)
+            warm = spec["warmup"]
+            run_point(llms[n], warm, [spec["max_tokens"]] * len(warm))
+        return llms[n], n
+
+    for point in spec["points"]:
+        llm, n = llm_for(point["max_num_seqs"])
+        report["points"][point["label"]] = {
+            **run_point(llm, point["prompts"], point["max_tokens"]),
+            "max_num_seqs": n,
+        }
+    if spec.get("ttft"):
+        llm, _ = llm_for(None)
+        ttft = spec["ttft"]
+        report["ttft_s"] = time_to_first_token(llm, ttft["prompts"], ttft["max_tokens"])
+    Path(out_path).write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python benchmarks/serve_engine.py SPEC.json OUT.json")
+    main(sys.argv[1], sys.argv[2])

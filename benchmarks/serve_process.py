@@ -1,0 +1,138 @@
+"""A ``splitserve serve`` subprocess for ``serve_bench.py``, and what it asks the server.
+
+``served(config, ...)`` starts ``splitserve serve --config`` on a free port (or the
+one given), waits until ``/health`` answers 200, yields the base URL, and on exit
+sends SIGINT (the server's Ctrl-C: it deletes the app and stops Ray) and waits;
+SIGTERM, then SIGKILL, only if it does not stop. The server's output goes to a
+temporary file whose tail is shown when it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+
+def default_config_path() -> Path:
+    """The embedded default (``configs/serve/default.yaml``), as ``splitserve serve`` has it."""
+    return Path(str(resources.files("splitserve.configs") / "serve" / "default.yaml"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def splitserve_command() -> list[str]:
+    """This Python's ``splitserve`` script, else the one on PATH, else the module."""
+    script = Path(sys.executable).with_name("splitserve")
+    found = str(script) if script.exists() else shutil.which("splitserve")
+    return [found] if found else [sys.executable, "-m", "splitserve.cluster.cli"]
+
+
+def get_json(url: str, timeout: float = 10.0):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+@contextlib.contextmanager
+def served(
+    config: Path, host: str, model: str | None, port: int | None, startup_s: float
+) -> Iterator[str]:
+    """``splitserve serve --config`` in a subprocess until the block ends; its base URL."""
+    port = port or free_port()
+    cmd = [*splitserve_command(), "serve", "--config", str(config), "--port", str(port)]
+    cmd += ["--model", model] if model else []
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        print(f"starting: {' '.join(cmd)}", flush=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            _wait_healthy(url, proc, startup_s, log)
+            yield url
+        finally:
+            _stop(proc, log)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, startup_s: float, log) -> None:
+    deadline = time.monotonic() + startup_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"splitserve serve exited with {proc.returncode}:\n{_tail(log)}")
+        with contextlib.suppress(OSError, ValueError):
+            get_json(f"{url}/health", timeout=5)
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}/health did not answer 200 within {startup_s} s:\n{_tail(log)}")
+
+
+def _stop(proc: subprocess.Popen, log) -> None:
+    """SIGINT (the server's Ctrl-C: it deletes the app and stops Ray), then wait."""
+    for sig, wait_s in ((signal.SIGINT, 120), (signal.SIGTERM, 30), (signal.SIGKILL, 30)):
+        if proc.poll() is not None:
+            break
+        proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)
+    if proc.returncode != 0:
+        print(f"warning: splitserve serve exited with {proc.returncode}:\n{_tail(log)}")
+
+
+def _tail(log, lines: int = 30) -> str:
+    log.seek(0)
+    return "".join(log.readlines()[-lines:])
+
+
+def route_counts(url: str) -> dict[str, float]:
+    """Requests per route and outcome from ``/metrics`` (empty when it has none)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("splitserve_requests_total{"):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels[len("splitserve_requests_total") :]] = float(value)
+    return counts
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """(idle, total) jiffies of all CPUs so far (Linux ``/proc/stat``), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return fields[3] + fields[4], sum(fields)  # idle + iowait
+
+
+def cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Share of the machine's CPU time spent busy between two ``cpu_times``, by anything."""
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return 1 - (after[0] - before[0]) / (after[1] - before[1])
+
+
+def background_cpu_busy(seconds: float = 2.0) -> float | None:
+    """How busy the machine is before we load it: other users' work skews every figure."""
+    before = cpu_times()
+    time.sleep(seconds)
+    return cpu_busy(before, cpu_times())

@@ -1,0 +1,100 @@
+"""``benchmarks/serve_bench.py``: its statistics, and one small run against a real server.
+
+The end-to-end test starts the embedded default (one prefill and one decode
+worker on CPU) through the benchmark's own ``--config`` path on a free port, runs
+a closed-loop and a Poisson point of prompts long enough to be disaggregated,
+the engine alone on the same prompts and the low-load TTFT, and reads the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import serve_bench
+from benchmarks.serve_load import RequestResult, random_prompts, read_prompts_file, summarize
+
+
+def test_random_prompts_are_seeded_and_in_range():
+    a = random_prompts(50, 40, 0.5, 8, vocab_size=100, seed="0/rate=inf")
+    assert a == random_prompts(50, 40, 0.5, 8, vocab_size=100, seed="0/rate=inf")
+    assert a != random_prompts(50, 40, 0.5, 8, vocab_size=100, seed="0/concurrency=2")
+    assert all(20 <= len(s.prompt) <= 60 and s.max_tokens == 8 for s in a)
+    assert len({len(s.prompt) for s in a}) > 1
+    assert all(1 <= t < 100 for s in a for t in s.prompt)
+
+
+def test_prompts_file_lines(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n{"prompt_token_ids": [3, 4], "max_tokens": 5}\n')
+    specs = read_prompts_file(path, default_max_tokens=7)
+    assert [(s.prompt, s.max_tokens) for s in specs] == [("hi", 7), ([3, 4], 5)]
+    path.write_text('{"prompt": "hi", "prompt_token_ids": [1]}\n')
+    with pytest.raises(ValueError, match="p.jsonl:1: give exactly one"):
+        read_prompts_file(path, 7)
+
+
+def _result(ttft_ms: float, e2e_ms: float, tokens: int) -> RequestResult:
+    gaps = [(e2e_ms - ttft_ms) / 1e3 / (tokens - 1)] * (tokens - 1)
+    return RequestResult(
+        max_tokens=tokens,
+        ok=True,
+        ttft_s=ttft_ms / 1e3,
+        e2e_s=e2e_ms / 1e3,
+        itl_s=gaps,
+        output_tokens=tokens,
+        prompt_tokens=10,
+    )
+
+
+def test_goodput_counts_requests_meeting_both_slos():
+    results = [
+        _result(100, 1000, 10),  # TPOT 100 ms
+        _result(100, 190, 10),  # TPOT 10 ms: good
+        _result(900, 990, 10),  # TTFT too long
+        RequestResult(10, error="HTTP 503: overloaded"),
+    ]
+    s = summarize(results, duration_s=2.0, slo_ttft_ms=500, slo_tpot_ms=20)
+    assert (s["completed"], s["failed"], s["wrong_length"]) == (3, 1, 0)
+    assert s["goodput"] == 0.5 and s["goodput_fraction"] == 0.25
+    assert s["output_throughput"] == 15.0 and s["total_token_throughput"] == 30.0
+    assert s["ttft_ms"]["p50"] == pytest.approx(100) and s["tpot_ms"]["mean"] == pytest.approx(40)
+    assert s["errors"] == ["HTTP 503: overloaded"]
+    assert summarize(results, 2.0)["goodput_fraction"] == 0.75  # no SLO: every completed one
+
+
+@pytest.mark.slow
+def test_serve_bench_against_the_embedded_default(tmp_path):
+    out = tmp_path / "bench.json"
+    num, max_tokens = 4, 8
+    serve_bench.main(
+        ["--config", str(serve_bench.default_config_path()), "--input-len", "40"]
+        + ["--output-len", str(max_tokens), "--num-prompts", str(num), "--warmup", "2"]
+        + ["--max-concurrency", "2", "--request-rate", "50", "--engine-baseline"]
+        + ["--low-load-ttft", "2", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"]
+        + ["--json", str(out)]
+    )
+    report = json.loads(out.read_text())
+    assert "random token ids" in report["workload"]
+    assert report["environment"]["commit"]
+    (config,) = report["configs"]
+    assert [p["label"] for p in config["points"]] == ["rate=50", "concurrency=2"]
+    for point in config["points"]:
+        s = point["summary"]
+        assert (s["completed"], s["failed"]) == (num, 0)
+        assert s["output_tokens"] == num * max_tokens
+        assert point["routes"] == {'{outcome="ok",route="disaggregated"}': num}
+        for r in point["requests"]:
+            assert r["ok"] and r["output_tokens"] == max_tokens
+            assert 0 < r["ttft_s"] <= r["e2e_s"]
+            assert len(r["itl_s"]) == r["token_events"] - 1
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            assert 0 <= s[metric]["p50"] <= s[metric]["p90"] <= s[metric]["p99"], metric
+        assert 0 <= s["goodput_fraction"] <= 1
+        assert point["served_vs_engine"] > 0
+        assert point["engine"]["output_tokens"] == num * max_tokens
+    assert config["engine_baseline"]["points"]["concurrency=2"]["max_num_seqs"] == 2
+    low = config["low_load_ttft"]
+    assert low["requests"] == 2 and low["served"]["completed"] == 2
+    assert low["engine_ttft_ms"]["p50"] > 0 and "added_p50_ms" in low
