@@ -268,7 +268,7 @@ def test_an_unknown_frame_kind_ends_the_connection(pair):
     receiver.expect(ticket)
     sender.start_send(ticket, [3])
     sender.send_layer("r1", 0)  # ties the transfer to the connection
-    sender._outgoing["r1"].peer.post({"kind": "bogus", "request_id": "r1"})
+    sender.transfers.outgoing["r1"].peer.post({"kind": "bogus", "request_id": "r1"})
     (event,) = _wait(receiver)
     assert not event.ok and "went away" in event.error and "bogus" in event.error
 

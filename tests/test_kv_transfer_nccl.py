@@ -63,49 +63,49 @@ class Side:
         self.transport.join(pair_key, unique_id)
 
     def set_layers_per_message(self, n: int, first: int = 1) -> None:
-        self.transport.layers_per_message = n
-        self.transport.first_message_layers = first
+        self.transport.options.layers_per_message = n
+        self.transport.options.first_message_layers = first
 
     def set_max_message_bytes(self, nbytes: int | None) -> None:
-        self.transport.max_message_bytes = nbytes
+        self.transport.options.max_message_bytes = nbytes
 
     def set_lanes(self, lanes: int) -> None:
         """The communicators of the pairs this side makes from now on."""
-        self.transport.lanes = lanes
+        self.transport.options.lanes = lanes
 
     def lane_counts(self) -> list[int]:
         """Lanes of each pair, sending ones first."""
-        pairs = list(self.transport._send_pairs.values()) + self.transport._recv_pairs
+        pairs = self.transport.pairs.sending_pairs() + self.transport.pairs.receiving_pairs()
         return [len(p.lanes) for p in pairs]
 
     def hold_newest_pair(self, cycles: int, lane: int | None = None) -> None:
         """Keep a lane (``None``: the copy stream) of the newest receiving pair busy."""
-        pair = self.transport._recv_pairs[-1]
+        pair = self.transport.pairs.receiving_pairs()[-1]
         stream = pair.copy_stream if lane is None else pair.lanes[lane].stream
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             torch.cuda._sleep(cycles)
 
     def send_pair_keys(self) -> list[str]:
-        return [pair.key for pair in self.transport._send_pairs.values()]
+        return [pair.key for pair in self.transport.pairs.sending_pairs()]
 
     def receive_rings(self) -> dict[str, tuple[int, int]]:
         """(address, bytes) of each receiving pair's staging ring, by pair key."""
-        pairs = self.transport._recv_pairs
+        pairs = self.transport.pairs.receiving_pairs()
         return {p.key: (p.ring.data_ptr(), p.ring.numel()) for p in pairs if p.ring is not None}
 
     def hold_copy_streams(self, cycles: int) -> None:
         """Keep each receiving pair's copy stream busy: the scatters queued next wait."""
-        for pair in self.transport._recv_pairs:
+        for pair in self.transport.pairs.receiving_pairs():
             with torch.cuda.device(self.device), torch.cuda.stream(pair.copy_stream):
                 torch.cuda._sleep(cycles)
 
     def free_cuda_events(self) -> int:
-        return self.transport._cuda_events.free
+        return self.transport.cuda_events.free
 
     def set_fused_copy(self, fused: bool) -> bool:
-        if self.transport._kernel is None:
+        if self.transport.copier.kernel is None:
             return False  # the kernels did not compile
-        self.transport.fused_copy = fused
+        self.transport.copier.fused_copy = fused
         return True
 
     def expect(self, rid: str, block_ids: list[int], start: int, num_tokens: int) -> bytes:
@@ -136,10 +136,10 @@ class Side:
         stream; return whether the copy stream then held work (layer 0's gather, waiting
         for the stall) before layer 1 was reported."""
         t = TransferTicket.unpack(ticket)
-        self.transport.first_message_layers = 2
+        self.transport.options.first_message_layers = 2
         try:
             self.transport.start_send(t, src_blocks)
-            (pair,) = self.transport._send_pairs.values()
+            (pair,) = self.transport.pairs.sending_pairs()
             with torch.cuda.device(self.device):
                 torch.cuda._sleep(STALL_CYCLES // 8)
             self.transport.send_layer(t.request_id, 0)
@@ -148,7 +148,7 @@ class Side:
                 self.transport.send_layer(t.request_id, layer)
             self.transport.finish_send(t.request_id, TransferDone(t.request_id, 7))
         finally:
-            self.transport.first_message_layers = 1
+            self.transport.options.first_message_layers = 1
         return queued
 
     def send_as_computed(self, ticket: bytes, src_blocks: list[int], seed: int) -> None:

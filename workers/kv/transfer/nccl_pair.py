@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from splitserve.workers.kv.transfer.ticket import TransferTicket
+
 try:
     from cupy.cuda import nccl
 except ImportError:  # machines without cupy: message_plan still works; nccl_transport says why
@@ -65,7 +67,7 @@ class Pair:
     lock: threading.Lock = field(default_factory=threading.Lock)
     sending: deque = field(default_factory=deque)  # sender: Outgoing, in announce order
     # Receiver: the staging ring, kept from one transfer to the next, and an event
-    # after the last scatter queued from it (``NcclKVTransport._recv_ring``).
+    # after the last scatter queued from it (``NcclRecvPath._recv_ring``).
     ring: torch.Tensor | None = None
     ring_free: torch.cuda.Event | None = None
 
@@ -164,6 +166,43 @@ def message_plan(cap: int, num_layers: int, first: int = 1) -> list[tuple[int, i
         plan.append((start, size))
         start += size
     return plan
+
+
+def check_plan(ticket: TransferTicket, plan: list[tuple[int, int]], layer_bytes: int):
+    """An error when an announced plan does not fit the ticket, else None."""
+    expected = ticket.layout.bytes_per_token(1) * ticket.num_transfer_tokens
+    if layer_bytes != expected:
+        return f"KV announce has {layer_bytes} bytes a layer, expected {expected}"
+    firsts = [sum(n for _, n in plan[:i]) for i in range(len(plan))]
+    if [f for f, _ in plan] != firsts or sum(n for _, n in plan) != ticket.num_layers:
+        return f"KV announce plans messages {plan}, not layers 0..{ticket.num_layers - 1}"
+    if any(n < 1 for _, n in plan):
+        return f"KV announce plans an empty message: {plan}"
+    return None
+
+
+@dataclass
+class NcclOptions:
+    """One transport's NCCL settings, read where they are used: a change applies from
+    the next transfer (its plan) or the next pair (lanes, priority). The plan's are
+    the sender's (its receivers follow the announced plan), the lanes the pair
+    maker's (the receiver joins them)."""
+
+    layers_per_message: int = 8  # message_plan's cap
+    first_message_layers: int = 1  # and its ramp
+    max_message_bytes: int | None = 128 << 20  # lowers the cap for long prompts
+    lanes: int = 2  # communicators of each pair this side makes
+    # CUDA priority of the pairs' NCCL streams (lower is higher; 0 is the default's):
+    # high, so NCCL's blocks start ahead of queued copy and compute kernels.
+    stream_priority: int = -1
+
+    def check(self) -> None:
+        """Raise ValueError on a setting no transfer could use."""
+        message_plan(self.layers_per_message, 1, self.first_message_layers)  # raises
+        if self.lanes < 1:
+            raise ValueError(f"an NCCL pair needs at least one lane, got {self.lanes}")
+        if self.max_message_bytes is not None and self.max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be at least 1, got {self.max_message_bytes}")
 
 
 def wait_event(event: torch.cuda.Event, pair: Pair | None, deadline: float) -> bool:

@@ -70,3 +70,8 @@ def token_slots(block_ids: list[int], block_size: int, start: int, end: int) -> 
     pos = torch.arange(start, end)
     blocks = torch.tensor(block_ids, dtype=torch.long)[pos // block_size]
     return blocks * block_size + pos % block_size
+
+
+def transfer_bytes(layout: KVLayout, ticket: TransferTicket) -> int:
+    """Bytes of K and V that the ticket's transfer moves, as ``layout`` holds them."""
+    return layout.bytes_per_token(ticket.num_layers) * ticket.num_transfer_tokens
