@@ -16,7 +16,7 @@ times as much.
 
 - transport: from just before the first ``send_layer`` (sender) to the moment
   the receiver's transport has the last layer scattered into its blocks
-  (``_finish_incoming``, receiver). Both actors read the host's monotonic
+  (its ``arrived`` trace event, receiver). Both actors read the host's monotonic
   clock. Effective GB/s counts gather, send, receive and scatter. Rows for
   several ``layers_per_message`` m (1 = per layer; more = coalesced, in
   messages of 1, 2, 4, ... up to m layers and back down, ``message_plan``; with
@@ -38,8 +38,9 @@ times as much.
   the sender's pace, printed under each row (JSON ``host_pace_us``): when each
   ``send_layer`` returned, when each gather and each message's issue began (us
   from the start), and the host time of each gather launch, NCCL send call and
-  message issue; the receiver's, when it read the announce frame, began posting
-  and called each receive.
+  message issue; the receiver's, when it read the announce frame and called each
+  receive. The stamps come through the transports' tracing hook
+  (``kv_transfer_stamps.py``).
 - --timeline: one more hand-off with CUDA events around each gather, send,
   receive and scatter, and host instants on the GPU's clock (the sender's
   start, the receiver's "done" frame and end stamp), printed per GPU (where
@@ -73,16 +74,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kv_transfer_stamps  # noqa: E402
-from kv_transfer_stamps import StampedCpu, StampedNccl  # noqa: E402
+from kv_transfer_stamps import Stamps  # noqa: E402
 
 from splitserve.workers.kv.cache import KVCache  # noqa: E402
 from splitserve.workers.kv.layout import KVLayout
+from splitserve.workers.kv.transfer.cpu_transport import CpuKVTransport
 from splitserve.workers.kv.transfer.nccl_pair import (
     communicator,
     transfer_plan,
     unique_id,
     wait_event,
 )
+from splitserve.workers.kv.transfer.nccl_transport import NcclKVTransport
 from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket, token_slots
 
 LAYERS, HEADS, DIM = 36, 8, 128  # Qwen3-8B
@@ -115,10 +118,13 @@ class Worker:
             t[1:] = torch.randn(t[1:].shape, generator=gen, device=self.device).to(DTYPE)
         self.blocks = random.Random(seed).sample(range(1, self.cache.num_blocks), need)
         self.peer = None
+        self.role = role
         self.transports = {
-            "nccl": StampedNccl(self.cache, owner=role, rendezvous=self._rendezvous),
-            "cpu": StampedCpu(self.cache, owner=role),
+            "nccl": NcclKVTransport(self.cache, owner=role, rendezvous=self._rendezvous),
+            "cpu": CpuKVTransport(self.cache, owner=role),
         }
+        self.stamps = {"nccl": Stamps(self.device), "cpu": Stamps(self.device, sync_device=True)}
+        self._trace()
         self.cpu_tokens = cpu_tokens
         self.raw = None
         self.raw_issue_s: list[float] = []
@@ -161,32 +167,41 @@ class Worker:
         self.transports["nccl"].join(pair_key, unique_id)
 
     def set_layers_per_message(self, n: int, first: int = 2) -> None:
-        self.transports["nccl"].layers_per_message = n
-        self.transports["nccl"].first_message_layers = first
+        self.transports["nccl"].options.layers_per_message = n
+        self.transports["nccl"].options.first_message_layers = first
 
     def set_max_message_bytes(self, nbytes: int | None) -> None:
-        self.transports["nccl"].max_message_bytes = nbytes
+        self.transports["nccl"].options.max_message_bytes = nbytes
 
     def set_lanes(self, lanes: int) -> None:
         """Before the first hand-off: the communicators of the pair the sender makes."""
-        self.transports["nccl"].lanes = lanes
+        self.transports["nccl"].options.lanes = lanes
 
     def lanes(self) -> int:
-        return self.transports["nccl"].lanes
+        return self.transports["nccl"].options.lanes
 
     def set_nccl_stream_priority(self, priority: int) -> None:
         """Before the first hand-off: the priority of the pair's NCCL stream."""
-        self.transports["nccl"].nccl_stream_priority = priority
+        self.transports["nccl"].options.stream_priority = priority
 
     def set_timeline(self, on: bool) -> None:
-        self.transports["nccl"].gpu_marks = [] if on else None
+        self.stamps["nccl"].gpu_marks = [] if on else None
         self.set_pace(on)
 
     def set_pace(self, on: bool) -> None:
-        self.transports["nccl"].pace = on
+        self.stamps["nccl"].pace = on
+        self._trace()
+
+    def _trace(self) -> None:
+        """A receiver's transports always trace (the arrival stamps the end of a timed
+        hand-off); a sender's only with pace on, so that its hot path pays nothing in
+        the timed runs."""
+        for kind, transport in self.transports.items():
+            stamps = self.stamps[kind]
+            transport.tracer = stamps if self.role == "decode" or stamps.pace else None
 
     def timeline(self) -> list[tuple[str, float, float]]:
-        return self.transports["nccl"].timeline()
+        return self.stamps["nccl"].timeline()
 
     def watchdog(self, seconds: float) -> None:
         faulthandler.dump_traceback_later(seconds, exit=False)
@@ -220,7 +235,7 @@ class Worker:
         torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         if kind == "nccl":
-            t.host_mark("host: start")
+            self.stamps["nccl"].host_mark("host: start")
         returned = []
         with torch.cuda.device(self.device):
             for layer in range(LAYERS):
@@ -232,7 +247,8 @@ class Worker:
             computed = torch.cuda.Event()
             computed.record()
         if kind == "nccl":  # the host's pace: when each send_layer returned
-            t.host.setdefault(ticket.request_id, {})["send_layer_at_each"] = returned
+            host = self.stamps["nccl"].host
+            host.setdefault(ticket.request_id, {})["send_layer_at_each"] = returned
         t.finish_send(ticket.request_id, TransferDone(ticket.request_id, 1))
         if not gap_us:
             return start, start
@@ -258,13 +274,13 @@ class Worker:
     def posted(self, rid: str, timeout: float = 10.0) -> None:
         """Wait until this receiver has queued the receives of ``rid``."""
         deadline = time.monotonic() + timeout
-        while "posted_at" not in self.transports["nccl"].host.get(rid, {}):
+        while "posted_at" not in self.stamps["nccl"].host.get(rid, {}):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the receives of {rid} were not posted")
             time.sleep(0.0001)
 
     def host_times(self, rid: str) -> dict[str, float]:
-        return self.transports["nccl"].host.pop(rid, {})
+        return self.stamps["nccl"].host.pop(rid, {})
 
     def finished(
         self, kind: str, rid: str, timeout: float = 60.0
@@ -274,7 +290,7 @@ class Worker:
         while time.monotonic() < deadline:
             for e in t.poll():
                 if e.request_id == rid:
-                    return e.ok, e.error, t.arrived.get(rid, float("nan"))
+                    return e.ok, e.error, self.stamps[kind].arrived.get(rid, float("nan"))
             time.sleep(0.0005)
         return False, "no event", float("nan")
 
@@ -303,8 +319,8 @@ class Worker:
 
     def copy_alone_ms(self, op: str, fused: bool, repeat: int = 5) -> float:
         """GPU time of the transport's gather (or scatter) of every layer, no transfer."""
-        t = self.transports["nccl"]
-        if fused and t._kernel is None:
+        t = self.transports["nccl"].copier
+        if fused and t.kernel is None:
             return float("nan")  # the kernels did not compile here
         slots = self._slots(self.tokens)
         buf = torch.empty((LAYERS, 2, self.tokens, HEADS, DIM), dtype=DTYPE, device=self.device)
@@ -323,7 +339,7 @@ class Worker:
         return median(times[2:])
 
     def set_fused_copy(self, fused: bool) -> None:
-        self.transports["nccl"].fused_copy = fused  # raises where the kernels did not compile
+        self.transports["nccl"].copier.fused_copy = fused  # raises where they did not compile
 
     # ---- raw NCCL --------------------------------------------------------------
 

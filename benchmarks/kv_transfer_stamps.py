@@ -1,88 +1,137 @@
-"""The KV transports of ``kv_transfer.py``, instrumented: when a hand-off ends on the
-receiver, the host time of each step of the sender's and receiver's work, and with
-the timeline on, CUDA events around every gather, send, receive and scatter plus
-host instants placed on the GPU's clock."""
+"""The tracer of ``kv_transfer.py``: the transports' tracing hook (``transport.tracer``,
+``workers/kv/transfer/tracing.py``) turned into the benchmark's stamps.
+
+Always, on a receiver: when a hand-off's KV was in place (the end of a timed span)
+and when its receives were queued. With ``pace`` on, the host's pace through each
+step of the sender's and receiver's work; with the timeline on, CUDA events around
+every gather, send, receive and scatter plus host instants placed on the GPU's
+clock."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-from splitserve.workers.kv.transfer.cpu_transport import CpuKVTransport
-from splitserve.workers.kv.transfer.nccl_transport import NcclKVTransport
+# The timeline's GPU spans: the event that opens one, and the label of what it covers.
+_SPANS = {
+    "gather_queued": ("gather_launch", lambda f: f"gather {f['first']}+{f['layers']}"),
+    "message_queued": ("message_launch", lambda f: f"send {f['message']}"),
+    "recv_queued": ("recv_launch", lambda f: f"recv {f['message']}"),
+    "scatter_queued": ("scatter_launch", lambda f: f"scatter {f['first']}+{f['layers']}"),
+}
+# Host instants on the timeline.
+_MARKS = {
+    "announce_received": "host: announce",
+    "finish_send": "host: finish_send",
+    "done_received": "host: done frame",
+    "last_scatter_done": "host: last scatter seen",
+}
 
 
-class _Stamp:
-    """Records when a transfer's KV is in place on the receiver: the end of a timed span."""
+class Stamps:
+    """One transport's tracer (set it as ``transport.tracer``).
 
-    # The CPU transport's scatters are queued on the current stream, so its KV is in
-    # place after a device synchronize; the NCCL transport's ``_finish_incoming`` has
-    # already waited for its last scatter.
-    sync_device = False
+    ``arrived[rid]``: the receiver's clock when the KV of ``rid`` was in place (after a
+    device synchronize with ``sync_device``: the CPU transport scatters on the current
+    stream). ``host[rid]``: ``posted_at``, when the receiver had queued every receive;
+    with ``pace`` on, also the sender's gathers (with their event waits) and sends and
+    the receiver's posting, in seconds (``*_s`` summed over the transfer, ``*_at``
+    instants, ``*_each`` one a call). The stamps cost the host a few microseconds a
+    call, so hand-offs are timed with ``pace`` off (and a sender's transport then has
+    no tracer). ``gpu_marks``, a list while the timeline is on: (what, begin, end) CUDA
+    events around each gather, send, receive and scatter, in queue order, and host
+    instants (``host_mark``).
+    """
 
-    def __init__(self, *args, **kwargs):
-        self.arrived: dict[str, float] = {}
-        super().__init__(*args, **kwargs)
-
-    def _finish_incoming(self, inc) -> None:
-        super()._finish_incoming(inc)
-        if self.sync_device:
-            torch.cuda.synchronize(self.device)
-        self.arrived[inc.ticket.request_id] = time.perf_counter()
-
-
-class StampedNccl(_Stamp, NcclKVTransport):
-    """With ``pace`` on, also stamps the host work per transfer: the sender's gathers
-    (with their event waits) and sends, and the receiver's posting of all receives and
-    scatters. The stamps cost the host a few microseconds a call, so hand-offs are
-    timed with ``pace`` off; the receiver then stamps only when it has posted."""
-
-    def __init__(self, *args, **kwargs):
+    def __init__(self, device: torch.device, sync_device: bool = False):
+        self.device = device
+        self.sync_device = sync_device
         self.pace = False
-        self.host: dict[str, dict[str, float]] = {}
-        # With --timeline: (what, begin, end) CUDA events around each gather, send,
-        # receive and scatter, in queue order (None: off).
+        self.arrived: dict[str, float] = {}
+        self.host: dict[str, dict[str, Any]] = {}
         self.gpu_marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
         self._host_marks: dict[torch.cuda.Event, float] = {}  # host clock of each host mark
         self._mark_stream: torch.cuda.Stream | None = None
-        self._announce_read_at = float("nan")  # the receiver's last announce frame
-        super().__init__(*args, **kwargs)
+        self._open: dict[tuple[str, str], tuple[float, torch.cuda.Event | None]] = {}
+        self._began: dict[tuple[str, str], float] = {}  # a gather's or a send's first step
+        self._receiving: dict[str, dict[str, Any]] = {}  # by rid, until its receives are in
 
-    def _finish_incoming(self, inc) -> None:
-        self.host_mark("host: last scatter seen")
-        super()._finish_incoming(inc)
+    def __call__(self, event: str, rid: str, at: float, **fields: Any) -> None:
+        if event == "arrived":
+            self._arrived(rid)
+        elif event == "receives_posted":
+            posted = self._receiving.pop(rid, {}) if self.pace else {}
+            if posted:
+                posted["post_s"] = at - posted["announce_read_at"]
+            self.host[rid] = {**posted, "posted_at": at}  # what posted_first waits for
+        elif self.pace:
+            self._paced(event, rid, at, fields)
+
+    def _paced(self, event: str, rid: str, at: float, fields: dict[str, Any]) -> None:
+        if event in _MARKS:
+            self.host_mark(_MARKS[event])
+        if event in ("gather_begin", "message_begin"):
+            self._began[rid, event] = at
+            name = "gather_in_at_each" if event == "gather_begin" else "issue_in_at_each"
+            self._sender(rid).setdefault(name, []).append(at)
+        elif event.endswith("_launch"):
+            if event == "recv_launch":
+                if fields["message"] == 0:
+                    self.host_mark("host: recv 0 call")
+                posting = self._receiving.setdefault(rid, {"announce_read_at": at})
+                posting.setdefault("recv_call_at_each", []).append(at)
+            self._open_span(rid, event, fields["stream"])
+        elif event in _SPANS:
+            spent = self._close_span(rid, event, at, fields)
+            if event == "gather_queued":
+                self._gathered(rid, at, spent)
+            elif event == "message_queued":
+                self._sent(rid, at, spent)
+        elif event == "announce_received":
+            self._receiving[rid] = {"announce_read_at": at}
+
+    def _sender(self, rid: str) -> dict[str, Any]:
+        return self.host.setdefault(rid, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0})
+
+    def _gathered(self, rid: str, at: float, call_s: float) -> None:
+        h, spent = self._sender(rid), at - self._began.pop((rid, "gather_begin"), at)
+        h["gather_s"] += spent
+        h["issue_s"] += spent
+        h.setdefault("gather_out_at_each", []).append(at)
+        h.setdefault("gather_call_each", []).append(call_s)
+
+    def _sent(self, rid: str, at: float, call_s: float) -> None:
+        h, spent = self._sender(rid), at - self._began.pop((rid, "message_begin"), at)
+        h["nccl_send_s"] += spent
+        h["issue_s"] += spent
+        h.setdefault("issue_each", []).append(spent)
+        h.setdefault("send_call_each", []).append(call_s)
+        h["last_issue_at"] = at
+
+    def _open_span(self, rid: str, event: str, stream: torch.cuda.Stream) -> None:
+        start = None
+        if self.gpu_marks is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+        self._open[rid, event] = (time.perf_counter(), start)  # after this tracer's own work
+
+    def _close_span(self, rid: str, event: str, at: float, fields: dict[str, Any]) -> float:
+        """The host seconds of the call between the span's two events."""
+        opened, label = _SPANS[event]
+        begin, start = self._open.pop((rid, opened), (at, None))
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(fields["stream"])
+            self.gpu_marks.append((label(fields), start, end))
+        return at - begin
+
+    def _arrived(self, rid: str) -> None:
+        if self.sync_device:
+            torch.cuda.synchronize(self.device)
+        self.arrived[rid] = time.perf_counter()
         self.host_mark("host: in place")  # beside the receiver's end stamp
-
-    def finish_send(self, request_id, done) -> None:
-        self.host_mark("host: finish_send")
-        super().finish_send(request_id, done)
-
-    def _on_done(self, conn, header) -> None:
-        self.host_mark("host: done frame")
-        super()._on_done(conn, header)
-
-    def _on_frame(self, conn, header) -> None:
-        if header["kind"] == "announce":
-            self._announce_read_at = time.perf_counter()
-            self.host_mark("host: announce")
-        super()._on_frame(conn, header)
-
-    def _span(self, what: str, stream: torch.cuda.Stream, queue) -> float:
-        """``queue()``, with timing events around it on ``stream`` when the timeline is on;
-        the host seconds ``queue()`` took."""
-        if self.gpu_marks is None:
-            begin = time.perf_counter()
-            queue()
-            return time.perf_counter() - begin
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record(stream)
-        begin = time.perf_counter()
-        queue()
-        spent = time.perf_counter() - begin
-        end.record(stream)
-        self.gpu_marks.append((what, start, end))
-        return spent
 
     def host_mark(self, what: str) -> None:
         """With the timeline on, an instant on the GPU's clock for a moment of the host:
@@ -113,93 +162,3 @@ class StampedNccl(_Stamp, NcclKVTransport):
             return offset_us + first.elapsed_time(event) * 1e3
 
         return [(w, at(b), at(e)) for w, b, e in marks]
-
-    def _host(self, rid: str) -> dict[str, float]:
-        return self.host.setdefault(rid, {"issue_s": 0.0, "gather_s": 0.0, "nccl_send_s": 0.0})
-
-    def _gather_layers(self, pair, out, send, end) -> None:
-        if not self.pace:
-            return super()._gather_layers(pair, out, send, end)
-        h = self._host(out.ticket.request_id)
-        begin = time.perf_counter()
-        super()._gather_layers(pair, out, send, end)
-        done = time.perf_counter()
-        spent = done - begin
-        h["gather_s"] += spent
-        h["issue_s"] += spent
-        h.setdefault("gather_in_at_each", []).append(begin)
-        h.setdefault("gather_out_at_each", []).append(done)
-
-    def _stage_layers(self, pair, out, send, first, layers, offset) -> None:
-        if not self.pace:
-            return super()._stage_layers(pair, out, send, first, layers, offset)
-        queue = lambda: super(StampedNccl, self)._stage_layers(  # noqa: E731
-            pair, out, send, first, layers, offset
-        )
-        spent = self._span(f"gather {first}+{layers}", pair.copy_stream, queue)
-        self._host(out.ticket.request_id).setdefault("gather_call_each", []).append(spent)
-
-    def _issue(self, pair, send) -> None:
-        if not self.pace:
-            return super()._issue(pair, send)
-        h = self._host(pair.sending[0].ticket.request_id)
-        nccl_send = pair.send
-        h.setdefault("issue_in_at_each", []).append(time.perf_counter())
-
-        def timed_send(message, buf, nbytes) -> None:
-            queue = lambda: nccl_send(message, buf, nbytes)  # noqa: E731
-            spent = self._span(f"send {message}", pair.lane(message).stream, queue)
-            h.setdefault("send_call_each", []).append(spent)
-
-        pair.send = timed_send
-        begin = time.perf_counter()
-        try:
-            super()._issue(pair, send)
-        finally:
-            del pair.send
-        end = time.perf_counter()
-        h["nccl_send_s"] += end - begin
-        h["issue_s"] += end - begin
-        h.setdefault("issue_each", []).append(end - begin)
-        h["last_issue_at"] = end
-
-    def _unstage_layers(self, pair, recv, message, staging, offset, inc) -> None:
-        if not self.pace:
-            return super()._unstage_layers(pair, recv, message, staging, offset, inc)
-        queue = lambda: super(StampedNccl, self)._unstage_layers(  # noqa: E731
-            pair, recv, message, staging, offset, inc
-        )
-        self._span(f"scatter {message[0]}+{message[1]}", pair.copy_stream, queue)
-
-    def _post_receives(self, pair, conn, rid, plan, layer_bytes) -> None:
-        if not self.pace:
-            super()._post_receives(pair, conn, rid, plan, layer_bytes)
-            self.host[rid] = {"posted_at": time.perf_counter()}  # what posted_first waits for
-            return
-        begin = time.perf_counter()
-        self.host_mark("host: posting")
-        nccl_recv, called = pair.recv, []
-
-        def marked_recv(i, buf, nbytes) -> None:
-            if i == 0:
-                self.host_mark("host: recv 0 call")
-            called.append(time.perf_counter())
-            self._span(f"recv {i}", pair.lane(i).stream, lambda: nccl_recv(i, buf, nbytes))
-
-        pair.recv = marked_recv
-        try:
-            super()._post_receives(pair, conn, rid, plan, layer_bytes)
-        finally:
-            del pair.recv
-        end = time.perf_counter()
-        self.host[rid] = {
-            "post_s": end - begin,
-            "posted_at": end,
-            "announce_read_at": self._announce_read_at,
-            "posting_at": begin,
-            "recv_call_at_each": called,
-        }
-
-
-class StampedCpu(_Stamp, CpuKVTransport):
-    sync_device = True

@@ -107,6 +107,47 @@ def test_many_transfers_to_one_peer_stay_ordered(pair):
     assert all(e.ok for e in events + _wait(sender, 8))
 
 
+def test_the_tracer_sees_each_step_of_a_hand_off_in_order(pair):
+    import threading
+
+    from splitserve.workers.kv.transfer.tracing import EVENTS
+
+    sender, receiver = pair
+    seen: dict[str, list] = {"send": [], "recv": []}
+    lock = threading.Lock()
+
+    def tracer(side: str):
+        def trace(event, request_id, at, **fields):
+            with lock:
+                seen[side].append((event, request_id, at, fields))
+
+        return trace
+
+    sender.tracer, receiver.tracer = tracer("send"), tracer("recv")
+    _hand_off(sender, receiver, "t1", [1], [1, 2], 0, 6)
+    assert [e.ok for e in _wait(receiver) + _wait(sender)] == [True, True]
+    layers = range(NUM_LAYERS)
+    assert [(e, f) for e, _, _, f in seen["send"]] == [
+        ("send_started", {}),
+        *[("layer_ready", {"layer": i}) for i in layers],
+        ("finish_send", {"layers": NUM_LAYERS}),
+        ("acked", {"ok": True}),
+    ]
+    assert [(e, f) for e, _, _, f in seen["recv"]] == [
+        *[("layer_received", {"layer": i}) for i in layers],
+        ("done_received", {"layers": NUM_LAYERS}),
+        ("arrived", {}),
+    ]
+    steps = seen["send"] + seen["recv"]
+    assert {rid for _, rid, _, _ in steps} == {"t1"} and {e for e, *_ in steps} <= set(EVENTS)
+    for side in seen.values():  # each side's clock runs forward
+        assert [at for *_, at, _ in side] == sorted(at for *_, at, _ in side)
+    at = {(e, f.get("layer")): t for e, _, t, f in steps}
+    assert all(at["layer_ready", i] < at["layer_received", i] for i in layers)
+    assert at["finish_send", None] < at["done_received", None] < at["arrived", None]
+    assert at["arrived", None] < at["acked", None]
+
+
 def test_receiver_cancel_nacks_the_sender(pair):
     sender, receiver = pair
     ticket = receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS)

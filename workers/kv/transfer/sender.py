@@ -96,15 +96,14 @@ class Sender:
             if out is None or out.state != TransferState.SENDING:
                 return
             out.state = TransferState.WAITING_FOR_ACK
+        if self.transfers.tracer is not None:
+            at = time.perf_counter()
+            self.transfers.tracer("finish_send", request_id, at, layers=out.layers_sent)
         frame = {"kind": "done", "layers": out.layers_sent, **asdict(done)}
         try:
             self.path.finish(out, frame)
         except OSError as e:
             self._peer_lost(out.peer, f"the done frame could not be sent: {e}")
-            return
-        if self.transfers.tracer is not None:
-            at = time.perf_counter()
-            self.transfers.tracer("done_sent", request_id, at, layers=out.layers_sent)
 
     def peer(self, ticket: TransferTicket) -> Peer:
         """The connection to the ticket's receiver; made (with the send path's link to it)

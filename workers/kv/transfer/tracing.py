@@ -8,7 +8,8 @@ costs each step one ``is not None`` test) and it is called at each step::
 
 ``at`` is ``time.perf_counter()`` when the step was taken. The call runs on the
 thread that took it (the engine's, or a transport thread), at times under the
-transport's lock: a tracer returns quickly and calls nothing of the transport.
+transport's lock: a tracer returns quickly, raises nothing and calls nothing of
+the transport.
 GPU work is traced when the host queues it, not when it runs: each gather, send,
 receive and scatter is bracketed by ``*_launch`` (just before the call that queues
 it on ``stream``, after the waits that order it) and ``*_queued`` (just after), so a
@@ -26,7 +27,8 @@ marked; ``first, layers`` name layers ``first .. first + layers - 1``)::
       message_begin      message      NCCL: the host starts queueing a message's send
       message_launch     message, stream        NCCL: just before the NCCL send call
       message_queued     message, stream        NCCL: just after it
-      done_sent          layers       "done" is written (NCCL) or queued after the layers (CPU)
+      finish_send        layers       finish_send took it: the rest of the plan (NCCL), then
+                                      "done", go out next
       acked              ok           the receiver's answer came; the transfer ended
     receiver
       announce_received               NCCL: the transfer's announce frame was read
@@ -59,7 +61,7 @@ EVENTS = (
     "message_begin",
     "message_launch",
     "message_queued",
-    "done_sent",
+    "finish_send",
     "acked",
     "announce_received",
     "recv_launch",
