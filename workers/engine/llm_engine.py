@@ -98,6 +98,7 @@ class LLMEngine:
             self.device,
             self.hf_config.num_attention_heads,
             kv_layout,
+            config.kernels,
         )
         graph_limits = None
         if config.cuda_graph.enabled:
