@@ -156,16 +156,18 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
     low_load = prompts(args, vocab, "low-load", args.low_load_ttft) if args.low_load_ttft else []
     out = {"label": config.stem if config else url, "config": str(config) if config else None}
     out.update(config_values=values, model=model, vocab_size=vocab)
-    out["background_cpu_busy"] = busy = sp.background_cpu_busy()
-    if busy is not None and busy > 0.1:
-        print(f"warning: the machine is {busy:.0%} busy before the run; figures will be skewed")
+    out["background_cpu"] = warn_if_busy(sp.background_cpu(), "before the run")
     baseline = None
     if args.engine_baseline:
         if not config:
             raise SystemExit("--engine-baseline needs --config (the engine: section to build)")
         print(f"[{out['label']}] engine alone (LLM) on the same prompts ...", flush=True)
-        spec = baseline_spec(engine, points, warmup, low_load, args.engine_threads)
+        spec, probe = (
+            baseline_spec(engine, points, warmup, low_load, args.engine_threads),
+            sp.CpuProbe(),
+        )
         baseline = out["engine_baseline"] = serve_engine.engine_baseline(spec)
+        baseline["cpu"] = warn_if_busy(probe.stop(), "during the engine baseline")
     if url:
         target = contextlib.nullcontext(url)
     else:
@@ -182,13 +184,13 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
 
 
 def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | None) -> dict:
-    before, cpu = sp.route_counts(url), sp.cpu_times()
+    before, probe = sp.route_counts(url), sp.CpuProbe()
     results, seconds = run(url, point.specs, point.mode, point.value, args, point.label)
-    cpu, after = sp.cpu_busy(cpu, sp.cpu_times()), sp.route_counts(url)
+    cpu, after = warn_if_busy(probe.stop(), f"during {point.label}"), sp.route_counts(url)
     summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
     out = {"mode": point.mode, "value": point.value, "label": point.label, "summary": summary}
     out["routes"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-    out["machine_cpu_busy"] = cpu  # the server, the client and anything else
+    out["cpu"] = cpu
     engine = (baseline or {}).get("points", {}).get(point.label)
     if engine:
         out["engine"] = engine
@@ -201,6 +203,13 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
         flush=True,
     )
     return out
+
+
+def warn_if_busy(cpu: dict, when: str) -> dict:
+    """``cpu`` (a ``CpuProbe`` reading), after a warning if others used over 5% of the CPU."""
+    if (cpu["foreign"] or 0) > 0.05:
+        print(f"warning: other processes took {cpu['foreign']:.0%} of the CPU {when}")
+    return cpu
 
 
 def low_load_report(results, seconds: float, baseline: dict | None) -> dict:

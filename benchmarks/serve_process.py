@@ -114,25 +114,61 @@ def route_counts(url: str) -> dict[str, float]:
     return counts
 
 
-def cpu_times() -> tuple[int, int] | None:
-    """(idle, total) jiffies of all CPUs so far (Linux ``/proc/stat``), else None."""
+class CpuProbe:
+    """CPU use from its creation to ``stop()`` (Linux ``/proc``): the machine's busy
+    share, and the share taken by processes outside this one's tree (this process,
+    the server it started, its Ray workers): other users' work, which skews every
+    figure on a shared machine. ``stop()`` gives None values elsewhere."""
+
+    def __init__(self):
+        self.start = _cpu_sample()
+
+    def stop(self) -> dict[str, float | None]:
+        end = _cpu_sample()
+        if self.start is None or end is None or end[1] == self.start[1]:
+            return {"busy": None, "foreign": None}
+        (idle0, total0, ours0), (idle1, total1, ours1) = self.start, end
+        total = total1 - total0
+        busy = total - (idle1 - idle0)
+        return {"busy": busy / total, "foreign": max(0, busy - (ours1 - ours0)) / total}
+
+
+def background_cpu(seconds: float = 2.0) -> dict[str, float | None]:
+    """How busy the machine is before we load it."""
+    probe = CpuProbe()
+    time.sleep(seconds)
+    return probe.stop()
+
+
+def _cpu_sample() -> tuple[int, int, int] | None:
+    """(idle, total) ticks of all CPUs, and the ticks this process's tree has used."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return ticks[3] + ticks[4], sum(ticks), _tree_ticks(os.getpid())
     except (OSError, ValueError):
         return None
-    return fields[3] + fields[4], sum(fields)  # idle + iowait
 
 
-def cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """Share of the machine's CPU time spent busy between two ``cpu_times``, by anything."""
-    if before is None or after is None or after[1] == before[1]:
-        return None
-    return 1 - (after[0] - before[0]) / (after[1] - before[1])
-
-
-def background_cpu_busy(seconds: float = 2.0) -> float | None:
-    """How busy the machine is before we load it: other users' work skews every figure."""
-    before = cpu_times()
-    time.sleep(seconds)
-    return cpu_busy(before, cpu_times())
+def _tree_ticks(root: int) -> int:
+    """CPU ticks of ``root`` and its descendants: user and system time of each live
+    one and of the children it has reaped."""
+    parent, used = {}, {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it ended
+            parent[int(name)] = int(fields[1])
+            used[int(name)] = sum(int(x) for x in fields[11:15])  # with reaped children
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += used.get(pid, 0)
+        todo += children.get(pid, [])
+    return total

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from benchmarks import serve_bench
+from benchmarks import serve_bench, serve_process
 from benchmarks.serve_load import RequestResult, random_prompts, read_prompts_file, summarize
 
 
@@ -69,7 +69,7 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     out = tmp_path / "bench.json"
     num, max_tokens = 4, 8
     serve_bench.main(
-        ["--config", str(serve_bench.default_config_path()), "--input-len", "40"]
+        ["--config", str(serve_process.default_config_path()), "--input-len", "40"]
         + ["--output-len", str(max_tokens), "--num-prompts", str(num), "--warmup", "2"]
         + ["--max-concurrency", "2", "--request-rate", "50", "--engine-baseline"]
         + ["--low-load-ttft", "2", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"]
