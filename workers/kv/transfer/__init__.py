@@ -1,1 +1,2 @@
-"""KV hand-off between prefill and decode workers (see ``base`` for the lifecycle)."""
+"""KV hand-off between prefill and decode workers (``base`` has the interface and the
+lifecycle; ``README.md`` lists the parts)."""

@@ -1,13 +1,12 @@
 """CUDA events for a KV hand-off's hot path: made ahead, recorded through their handles.
 
 A hand-off records and waits on a few events per message. An event made on the
-spot costs its creation at its first record, and a ``torch.cuda.Event.record`` or
-``Stream.wait_event`` costs 1-3 us of host time; on a host that was idle until the
-hand-off began, the first of them cost several times that (on an H200 host, 11 us
-for the receiver's first record, against about 1 us through the handle). The pool
-hands out events that exist already, and ``record`` / ``wait`` call the CUDA
-runtime with the handles. The caller makes the events' device current
-(``Pair.on_device``): the runtime acts on the current device.
+spot pays for its creation at its first record, and ``torch.cuda.Event.record`` or
+``Stream.wait_event`` costs the host several times the CUDA runtime's own call
+(more still on a host that was idle until the hand-off began; figures in
+``docs/perf/HISTORY.md``). The pool hands out events that exist already, and
+``record`` / ``wait`` call the CUDA runtime with the handles. The caller makes the
+events' device current (``Pair.on_device``): the runtime acts on the current device.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ A ``Pair`` holds the link's lanes (each a 2-rank communicator and the stream
 that uses it), its copy stream (gather on the sender, scatter on the receiver)
 and the sender's queue of transfers in announce order. ``message_plan`` splits
 a transfer's layers into NCCL messages; both sides read the plan from the
-transfer's "announce" frame, so they agree on every message's size and order.
+transfer's "announce" frame, so they agree on every message's size and order
+(``check_plan`` is the receiver's check of it against the ticket).
+``NcclOptions`` holds a transport's settings: the plan's and the lanes'.
 
 Message i of a transfer goes on lane ``i % lanes``, so consecutive messages run
 on different communicators: the next message's kernel is already on the wire
@@ -46,7 +48,7 @@ class Lane:
 
     @functools.cached_property
     def handle(self) -> int:
-        """The stream's handle (torch's Stream properties cost a microsecond each)."""
+        """The stream's handle (torch's Stream properties cost host time at each read)."""
         return self.stream.cuda_stream
 
 
@@ -76,8 +78,8 @@ class Pair:
         if self.aborted:
             raise ConnectionError(f"NCCL communicator {self.key} was aborted")
 
-    # Plain ints for the hot path, read once: torch's Stream properties cost a
-    # microsecond each.
+    # Plain ints for the hot path, read once: torch's Stream properties cost host
+    # time at each read.
     @functools.cached_property
     def device_index(self) -> int:
         return self.copy_stream.device.index
@@ -209,8 +211,8 @@ def wait_event(event: torch.cuda.Event, pair: Pair | None, deadline: float) -> b
     """Wait for ``event``; False at the deadline or when ``pair`` is aborted.
 
     It spins first, yielding the CPU (and the GIL) between queries with
-    ``sched_yield``, not ``sleep(0)``: a zero sleep still costs a timer's slack
-    (about 50 us on Linux), which a hand-off's end would wait for.
+    ``sched_yield``, not ``sleep(0)``: a zero sleep still costs a timer's slack,
+    which a hand-off's end would wait for.
     """
     spin_until = time.monotonic() + _SPIN_S
     while not event.query():

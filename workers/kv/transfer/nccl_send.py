@@ -216,13 +216,8 @@ class NcclSendPath:
         begin, layers = send.gathered, end - send.gathered
         tracer = self.transfers.tracer
         if tracer is not None:
-            tracer(
-                "gather_begin",
-                out.ticket.request_id,
-                time.perf_counter(),
-                first=begin,
-                layers=layers,
-            )
+            rid, span = out.ticket.request_id, {"first": begin, "layers": layers}
+            tracer("gather_begin", rid, time.perf_counter(), **span)
         with pair.on_device():
             record(send.computed, send.compute)  # the layers are computed
             wait(pair.copy_handle, send.computed)
@@ -230,15 +225,10 @@ class NcclSendPath:
                 wait(pair.copy_handle, send.sent(slot))
         offset = slot * send.slot_bytes + (begin - first) * send.layer_bytes
         if tracer is not None:
-            rid, stream = out.ticket.request_id, pair.copy_stream
-            tracer(
-                "gather_launch", rid, time.perf_counter(), first=begin, layers=layers, stream=stream
-            )
+            tracer("gather_launch", rid, time.perf_counter(), **span, stream=pair.copy_stream)
         send.copy.gather(begin, layers, offset)
         if tracer is not None:
-            tracer(
-                "gather_queued", rid, time.perf_counter(), first=begin, layers=layers, stream=stream
-            )
+            tracer("gather_queued", rid, time.perf_counter(), **span, stream=pair.copy_stream)
         send.gathered = end
 
     def _issue(self, pair: Pair, out: Outgoing, send: _Send) -> None:
@@ -248,14 +238,14 @@ class NcclSendPath:
         slot, lane = i % RING, pair.lane(i).handle
         tracer = self.transfers.tracer
         if tracer is not None:
-            tracer("message_begin", out.ticket.request_id, time.perf_counter(), message=i)
+            rid, stream = out.ticket.request_id, pair.lane(i).stream
+            tracer("message_begin", rid, time.perf_counter(), message=i)
         with pair.on_device():
             if send.gathered > first:  # its layers' gathers are queued (not filler)
                 record(send.staged(slot), pair.copy_handle)
                 wait(lane, send.staged(slot))
             at = send.staging_at + slot * send.slot_bytes
             if tracer is not None:
-                rid, stream = out.ticket.request_id, pair.lane(i).stream
                 tracer("message_launch", rid, time.perf_counter(), message=i, stream=stream)
             pair.send(i, at, layers * send.layer_bytes)  # filler: whatever it holds
             if tracer is not None:

@@ -1,6 +1,6 @@
 """The receiver's state machine: one transfer from ``expect`` to its arrival.
 
-    make_ticket + expect(ticket)  the blocks are reserved; the receive path gets
+    expect(ticket)                the blocks are reserved; the receive path gets
                                   ready (``RecvPath.expect``)          EXPECTING
     first layer frame (cpu) or announce (nccl), on a sender's connection
                                                                        RECEIVING
@@ -28,7 +28,7 @@ from splitserve.workers.kv.transfer.transfers import Incoming, Transfers
 
 
 class Receiver:
-    """The decode side of a transport: its tickets, its listener, its transfers' states."""
+    """The decode side of a transport: its listener and its transfers' states."""
 
     def __init__(
         self,
@@ -36,37 +36,15 @@ class Receiver:
         transfers: Transfers,
         listener: Listener,
         path: RecvPath,
-        owner: str = "",
     ):
         self.kv_cache = kv_cache
         self.transfers = transfers
         self.listener = listener
         self.path = path
-        self.owner = owner  # this worker's id, written into the tickets it issues
-        self.address = listener.address
 
     def start(self) -> None:
         """Accept senders from now on."""
         self.listener.start(self._on_frame, self._on_closed)
-
-    def make_ticket(
-        self,
-        request_id: str,
-        block_ids: list[int],
-        start_token: int,
-        num_tokens: int,
-        num_layers: int,
-    ) -> TransferTicket:
-        return TransferTicket(
-            request_id=request_id,
-            address=self.address,
-            block_ids=list(block_ids),
-            start_token=start_token,
-            num_tokens=num_tokens,
-            num_layers=num_layers,
-            layout=self.kv_cache.layout,
-            owner=self.owner,
-        )
 
     def expect(self, ticket: TransferTicket) -> None:
         t = ticket

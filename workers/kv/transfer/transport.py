@@ -44,7 +44,7 @@ class Transport:
         self.address = listener.address
         self.transfers = transfers
         self.sender = Sender(kv_cache, transfers, send_path)
-        self.receiver = Receiver(kv_cache, transfers, listener, recv_path, owner)
+        self.receiver = Receiver(kv_cache, transfers, listener, recv_path)
         self.receiver.start()
 
     # ---- receiver half ------------------------------------------------------
@@ -57,7 +57,16 @@ class Transport:
         num_tokens: int,
         num_layers: int,
     ) -> TransferTicket:
-        return self.receiver.make_ticket(request_id, block_ids, start_token, num_tokens, num_layers)
+        return TransferTicket(
+            request_id=request_id,
+            address=self.address,
+            block_ids=list(block_ids),
+            start_token=start_token,
+            num_tokens=num_tokens,
+            num_layers=num_layers,
+            layout=self.layout,
+            owner=self.owner,
+        )
 
     def expect(self, ticket: TransferTicket) -> None:
         self.receiver.expect(ticket)
