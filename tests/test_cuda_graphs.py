@@ -224,7 +224,7 @@ def test_padded_replay_touches_only_real_slots(tmp_path, host_rows):
     assert fb.phase == Phase.DECODE and fb.num_tokens == 3
     runner = steps.runner.graphs.runner_for(fb)
     assert runner is steps.runner.decode_graphs
-    _, padded_hidden, _ = runner._graphs[4]
+    padded_hidden = runner._graphs[4].hidden
     assert torch.isfinite(padded_hidden).all(), "a padded row read a poisoned page"
     assert torch.isfinite(hidden).all()
     written = set(fb.slot_mapping.tolist())
