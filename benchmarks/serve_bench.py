@@ -17,6 +17,9 @@ prefix-cache hits between points), the same across configs; ``--prompts-file``
 gives real ones (the same every point: later points may hit the prefix cache,
 counted as ``cached_prompt_tokens``).
 
+``--repeat N`` runs each point N times on new prompts; a point's figures are
+its median run's (by output tokens/s), every run is in the JSON.
+
 ``--engine-baseline`` runs ``LLM`` built from the config's ``engine:`` section on
 the same prompts, before the server starts (``serve_engine.py``): served over
 engine output tokens/s for each closed-loop point (the engine's ``max_num_seqs``
@@ -33,9 +36,6 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
-import os
-import platform
-import subprocess
 from pathlib import Path
 
 import yaml
@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parent.parent
 class LoadPoint:
     mode: str  # "rate" or "concurrency"
     value: float
-    specs: list[serve_load.RequestSpec]
+    runs: list[list[serve_load.RequestSpec]]  # one prompt set a repetition
 
     @property
     def label(self) -> str:
@@ -93,7 +93,8 @@ def load_points(args, vocab_size: int) -> list[LoadPoint]:
     shapes += [("concurrency", c) for c in args.max_concurrency or []]
     points = [LoadPoint(mode, value, []) for mode, value in shapes or [("rate", float("inf"))]]
     for p in points:
-        p.specs = prompts(args, vocab_size, p.label, args.num_prompts)
+        tags = [p.label] + [f"{p.label}/{i}" for i in range(1, args.repeat)]
+        p.runs = [prompts(args, vocab_size, tag, args.num_prompts) for tag in tags]
     return points
 
 
@@ -116,7 +117,7 @@ def baseline_spec(
         "points": [
             {
                 "label": p.label,
-                **requests(p.specs),
+                "runs": [requests(specs) for specs in p.runs],
                 "max_num_seqs": int(p.value) if p.mode == "concurrency" else None,
             }
             for p in chosen
@@ -184,25 +185,41 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
 
 
 def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | None) -> dict:
-    before, probe = sp.route_counts(url), sp.CpuProbe()
-    results, seconds = run(url, point.specs, point.mode, point.value, args, point.label)
-    cpu, after = warn_if_busy(probe.stop(), f"during {point.label}"), sp.route_counts(url)
-    summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
-    out = {"mode": point.mode, "value": point.value, "label": point.label, "summary": summary}
-    out["routes"] = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-    out["cpu"] = cpu
+    """Each repetition on its own prompts; the figures are the median run's (by output
+    tokens/s), each run's are in ``runs``."""
+    runs = []
+    for i, specs in enumerate(point.runs):
+        before, probe = sp.route_counts(url), sp.CpuProbe()
+        results, seconds = run(url, specs, point.mode, point.value, args, f"{point.label}/{i}")
+        cpu, after = warn_if_busy(probe.stop(), f"during {point.label}"), sp.route_counts(url)
+        summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
+        routes = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        requests = [dataclasses.asdict(r) for r in results]
+        runs.append({"summary": summary, "routes": routes, "cpu": cpu, "requests": requests})
+        print(
+            f"[{label}] {point.label} run {i + 1}/{len(point.runs)}: {summary['completed']}/"
+            f"{summary['sent']} done in {seconds:.2f} s, {summary['output_throughput']:.0f} "
+            f"out tok/s, TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms, routes {routes}",
+            flush=True,
+        )
+    throughputs = [r["summary"]["output_throughput"] for r in runs]
+    out = {"mode": point.mode, "value": point.value, "label": point.label}
+    out["summary"] = runs[median_index(throughputs)]["summary"]
+    out["output_throughput_runs"] = throughputs
     engine = (baseline or {}).get("points", {}).get(point.label)
     if engine:
-        out["engine"] = engine
-        out["served_vs_engine"] = summary["output_throughput"] / engine["output_throughput"]
-    out["requests"] = [dataclasses.asdict(r) for r in results]
-    print(
-        f"[{label}] {point.label}: {summary['completed']}/{summary['sent']} done in "
-        f"{seconds:.2f} s, {summary['output_throughput']:.0f} out tok/s, "
-        f"TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms, routes {out['routes']}",
-        flush=True,
-    )
+        out["engine"] = {k: v for k, v in engine.items() if k != "runs"}
+        out["served_vs_engine"] = out["summary"]["output_throughput"] / engine["output_throughput"]
+        out["served_vs_engine_runs"] = [
+            t / e["output_throughput"] for t, e in zip(throughputs, engine["runs"])
+        ]
+    out["runs"] = runs
     return out
+
+
+def median_index(values: list[float]) -> int:
+    """The index of the median (the lower one of an even count)."""
+    return sorted(range(len(values)), key=values.__getitem__)[(len(values) - 1) // 2]
 
 
 def warn_if_busy(cpu: dict, when: str) -> dict:
@@ -245,8 +262,10 @@ def print_tables(report: dict) -> None:
         for p in c["points"]:
             s = p["summary"]
             engine = (p.get("engine") or {}).get("output_throughput")
+            runs = p["output_throughput_runs"]
             rows.append(
-                [c["label"], p["label"], s["completed"], s["failed"], s["duration_s"]]
+                [c["label"], p["label"], len(runs), f"{min(runs):.0f}-{max(runs):.0f}"]
+                + [s["completed"], s["failed"], s["duration_s"]]
                 + [s["request_throughput"], s["output_throughput"], s["total_token_throughput"]]
                 + [s["goodput"], s["goodput_fraction"], engine, p.get("served_vs_engine")]
             )
@@ -257,7 +276,8 @@ def print_tables(report: dict) -> None:
             served, engine = t["served_ttft_ms"], t.get("engine_ttft_ms") or {}
             low.append([c["label"], t["requests"], served["p50"], engine.get("p50")])
             low[-1] += [t.get("added_p50_ms"), served["p90"], engine.get("p90")]
-    columns = ["config", "load", "done", "failed", "s", "req/s", "out tok/s", "total tok/s"]
+    columns = ["config", "load", "runs", "out tok/s range", "done", "failed", "s", "req/s"]
+    columns += ["out tok/s", "total tok/s"]
     columns += ["good req/s", "good frac", "engine out tok/s", "served/eng"]
     roofline.print_table(columns, rows)
     print("\nLatency (ms):")
@@ -310,25 +330,6 @@ def plot(path: Path, report: dict) -> None:
     plt.close(fig)
 
 
-def git_commit() -> dict:
-    def git(*words: str) -> str:
-        done = subprocess.run(["git", "-C", str(REPO), *words], capture_output=True, text=True)
-        return done.stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "-s", "-uno"))}
-
-
-def host_info() -> dict:
-    return {
-        "hostname": platform.node(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "client": "aiohttp" if serve_load.aiohttp is not None else "httpx",
-    }
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", type=Path, nargs="+", default=[], help="serve configs, in turn")
@@ -344,6 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-rate", type=float, nargs="+", help="open-loop rates (inf: burst)")
     p.add_argument("--max-concurrency", type=int, nargs="+", help="closed-loop concurrencies")
+    p.add_argument("--repeat", type=int, default=1, help="runs a point (new prompts each)")
     p.add_argument("--warmup", type=int, default=8, help="requests sent before measuring")
     p.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=float, help="goodput: TPOT at most this")
@@ -358,6 +360,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.config and not args.url:
         args.config = [sp.default_config_path()]
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: must be >= 1")
     if args.url and len(args.config) > 1:
         p.error("--url takes at most one --config (the engine: section of that server)")
     if any(c < 1 for c in args.max_concurrency or []) or any(
@@ -374,7 +378,12 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "serve_bench",
         "workload": workload_text(args),
         "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "environment": {**roofline.environment(command), **git_commit(), "host": host_info()},
+        "environment": {
+            **roofline.environment(command),
+            **sp.git_commit(REPO),
+            "host": sp.host_info(),
+            "http_client": "aiohttp" if serve_load.aiohttp is not None else "httpx",
+        },
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "configs": [],
     }

@@ -5,6 +5,9 @@ one given), waits until ``/health`` answers 200, yields the base URL, and on exi
 sends SIGINT (the server's Ctrl-C: it deletes the app and stops Ray) and waits;
 SIGTERM, then SIGKILL, only if it does not stop. The server's output goes to a
 temporary file whose tail is shown when it fails.
+
+Also what a report says about the machine: ``CpuProbe`` (how busy the CPU was,
+and how much of it other users took), ``git_commit`` and ``host_info``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -172,3 +176,23 @@ def _tree_ticks(root: int) -> int:
         total += used.get(pid, 0)
         todo += children.get(pid, [])
     return total
+
+
+def git_commit(repo: Path) -> dict:
+    """The commit checked out in ``repo``, and whether tracked files differ from it."""
+
+    def git(*words: str) -> str:
+        done = subprocess.run(["git", "-C", str(repo), *words], capture_output=True, text=True)
+        return done.stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "-s", "-uno"))}
+
+
+def host_info() -> dict:
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }

@@ -84,8 +84,10 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
         s = point["summary"]
         assert (s["completed"], s["failed"]) == (num, 0)
         assert s["output_tokens"] == num * max_tokens
-        assert point["routes"] == {'{outcome="ok",route="disaggregated"}': num}
-        for r in point["requests"]:
+        (run,) = point["runs"]
+        assert run["summary"] == s
+        assert run["routes"] == {'{outcome="ok",route="disaggregated"}': num}
+        for r in run["requests"]:
             assert r["ok"] and r["output_tokens"] == max_tokens
             assert 0 < r["ttft_s"] <= r["e2e_s"]
             assert len(r["itl_s"]) == r["token_events"] - 1
@@ -98,3 +100,8 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     low = config["low_load_ttft"]
     assert low["requests"] == 2 and low["served"]["completed"] == 2
     assert low["engine_ttft_ms"]["p50"] > 0 and "added_p50_ms" in low
+
+
+def test_a_point_reports_its_median_run():
+    assert serve_bench.median_index([900.0, 1300.0, 1000.0]) == 2
+    assert serve_bench.median_index([5.0, 1.0, 4.0, 2.0]) == 3  # the lower middle of an even count
