@@ -22,9 +22,30 @@ def build_app(config: ServeConfig) -> serve.Application:
         if pool.active:
             deployment = pool_deployment(name, pool, config)
             pools[name] = deployment.bind(name, engine, config.stats_period_s, config.app_name)
-    return OpenAIIngress.bind(
+    return ingress_deployment(config).bind(
         config.to_dict(), pools.get("prefill"), pools.get("decode"), pools.get("mixed")
     )
+
+
+def ingress_deployment(config: ServeConfig) -> serve.Deployment:
+    """The HTTP front: fixed replicas, or autoscaled on ongoing requests (Ray Serve's own
+    policy), behind Ray Serve's proxy."""
+    ingress = config.ingress
+    options: dict = dict(
+        ray_actor_options={"num_cpus": ingress.num_cpus},
+        max_ongoing_requests=ingress.max_ongoing_requests,
+    )
+    if ingress.autoscaling:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=ingress.min_replicas,
+            max_replicas=ingress.max_replicas,
+            target_ongoing_requests=ingress.target_ongoing_requests,
+            upscale_delay_s=5.0,
+            downscale_delay_s=60.0,
+        )
+    else:
+        options["num_replicas"] = ingress.replicas
+    return OpenAIIngress.options(**options)
 
 
 def pool_deployment(name: str, pool: PoolConfig, config: ServeConfig) -> serve.Deployment:

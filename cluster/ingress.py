@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve.exceptions import BackPressureError
 
 from splitserve.cluster import routing
-from splitserve.cluster.metrics import ServingMetrics
+from splitserve.cluster.metrics import INGRESS, ServingMetrics
 from splitserve.cluster.openai_api import (
     OpenAIError,
     chat_prompt,
@@ -57,7 +57,7 @@ app = FastAPI(title="splitserve")
 MAX_ATTEMPTS = 2
 
 
-@serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
+@serve.deployment(name="ingress")  # replicas and limits: ``ingress_deployment`` in app.py
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, config: dict, prefill=None, decode=None, mixed=None):
@@ -69,8 +69,11 @@ class OpenAIIngress:
         self.vocab_size = hf_config.vocab_size
         self.pools = {"prefill": prefill, "decode": decode, "mixed": mixed}
         self.metrics = ServingMetrics()
-        self.board = get_or_create_board(serve.get_replica_context().app_name)
+        context = serve.get_replica_context()
+        self.replica_id = f"{INGRESS}-{context.replica_id.unique_id}"
+        self.board = get_or_create_board(context.app_name)
         self.created = int(time.time())
+        self._poster = asyncio.get_event_loop().create_task(self._post_metrics())
 
     # ---- endpoints ----------------------------------------------------------
 
@@ -99,7 +102,8 @@ class OpenAIIngress:
         snapshot = await self.board.snapshot.remote()
         live = {pool: 0 for pool, handle in self.pools.items() if handle is not None}
         for pool, _ in snapshot.values():
-            live[pool] = live.get(pool, 0) + 1
+            if pool != INGRESS:
+                live[pool] = live.get(pool, 0) + 1
         can_serve = live.get("mixed", 0) > 0 or (
             live.get("prefill", 0) > 0 and live.get("decode", 0) > 0
         )
@@ -109,8 +113,18 @@ class OpenAIIngress:
     @app.get("/metrics")
     async def metrics(self) -> Response:
         snapshot = await self.board.snapshot.remote()
-        body = self.metrics.render(snapshot)
+        body = self.metrics.render(snapshot, self.replica_id)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def _post_metrics(self) -> None:
+        """This replica's request metrics to the board, for ``/metrics`` on any replica."""
+        while True:
+            try:
+                samples = {"samples": self.metrics.samples()}
+                self.board.post.remote(self.replica_id, INGRESS, samples)
+            except Exception:  # the board restarts with the app; keep serving meanwhile
+                logger.warning("could not post request metrics", exc_info=True)
+            await asyncio.sleep(self.config.stats_period_s)
 
     def get_config(self) -> dict:
         """The running config (``splitserve scale`` edits and redeploys it)."""

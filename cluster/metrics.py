@@ -2,15 +2,21 @@
 
 Request metrics are measured at the ingress, as a client sees them: time to
 first token, inter-token latency and end-to-end latency per route, requests
-per route and outcome. Pool metrics come from the workers' latest reports
-on the stats board: queue lengths and KV blocks per pool and replica, and
-KV transfer counts, bytes and seconds.
+per route and outcome. Every ingress replica posts its request metrics to the
+stats board (pool ``ingress``), and ``/metrics`` on any of them sums them all.
+Pool metrics come from the workers' latest reports on the stats board: queue
+lengths and KV blocks per pool and replica, and KV transfer counts, bytes and
+seconds.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+INGRESS = "ingress"  # the stats-board pool under which ingress replicas post their samples
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -47,10 +53,10 @@ _POOL_COUNTERS = {
 
 
 class PoolCollector:
-    """Renders the last stats-board snapshot (worker -> (pool, stats))."""
+    """Renders the workers of a stats-board snapshot (worker -> (pool, stats))."""
 
-    def __init__(self):
-        self.snapshot: dict[str, tuple[str, dict]] = {}
+    def __init__(self, snapshot: dict[str, tuple[str, dict]]):
+        self.snapshot = {k: v for k, v in snapshot.items() if v[0] != INGRESS}
 
     def collect(self):
         pools = sorted({pool for pool, _ in self.snapshot.values()})
@@ -80,11 +86,30 @@ class PoolCollector:
         return sum(stats[key] for p, stats in self.snapshot.values() if p == pool)
 
 
+class RequestCollector:
+    """The request metrics of every ingress replica, summed sample by sample."""
+
+    def __init__(self, posts: list[list]):
+        self.posts = posts  # each replica's ``ServingMetrics.samples()``
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        sums: dict[tuple, float] = defaultdict(float)
+        for samples in self.posts:
+            for family, doc, kind, name, labels, value in samples:
+                if family not in families:
+                    families[family] = Metric(family, doc, kind)
+                sums[(family, name, tuple(sorted(labels.items())))] += value
+        for (family, name, labels), value in sums.items():
+            families[family].add_sample(name, dict(labels), value)
+        yield from families.values()
+
+
 class ServingMetrics:
+    """One ingress replica's request metrics, and ``/metrics`` for the whole app."""
+
     def __init__(self):
-        self.registry = CollectorRegistry()
-        self.pools = PoolCollector()
-        self.registry.register(self.pools)
+        self.registry = CollectorRegistry()  # this replica's request metrics
         self.ttft = Histogram(
             "splitserve_time_to_first_token_seconds",
             "Time from request arrival to its first token, per route",
@@ -119,6 +144,21 @@ class ServingMetrics:
             registry=self.registry,
         )
 
-    def render(self, snapshot: dict[str, tuple[str, dict]]) -> bytes:
-        self.pools.snapshot = snapshot
-        return generate_latest(self.registry)
+    def samples(self) -> list[list]:
+        """This replica's request metrics as plain samples, for the stats board:
+        ``[family, help, type, sample name, labels, value]``."""
+        return [
+            [family.name, family.documentation, family.type, s.name, s.labels, s.value]
+            for family in self.registry.collect()
+            for s in family.samples
+            if not s.name.endswith("_created")  # a time, not a count: it does not sum
+        ]
+
+    def render(self, snapshot: dict[str, tuple[str, dict]], replica: str) -> bytes:
+        """The app's metrics: every ingress replica's request metrics (this one's fresh,
+        ``replica`` on the board), summed, and the workers' pool metrics."""
+        posts = [s["samples"] for k, (p, s) in snapshot.items() if p == INGRESS and k != replica]
+        registry = CollectorRegistry()
+        registry.register(RequestCollector([self.samples(), *posts]))
+        registry.register(PoolCollector(snapshot))
+        return generate_latest(registry)

@@ -70,6 +70,39 @@ class PoolConfig:
         return (self.max_replicas or 0) > 0 if self.autoscaling else self.replicas > 0
 
 
+@dataclass
+class IngressConfig:
+    """The HTTP front's replicas (behind Ray Serve's proxy): ``replicas``, or autoscaling
+    between ``min_replicas`` and ``max_replicas`` on ongoing requests per replica."""
+
+    replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: int = 256  # per replica, when autoscaling
+    max_ongoing_requests: int = 2048  # per replica
+    num_cpus: float = 0.0
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+    def check(self) -> None:
+        def bad(key: str, accepted: str) -> ValueError:
+            return ValueError(f"invalid ingress.{key}={getattr(self, key)!r}: must be {accepted}")
+
+        if self.replicas < 1:
+            raise bad("replicas", ">= 1")
+        if self.autoscaling:
+            if self.min_replicas is None or self.max_replicas is None:
+                raise ValueError("ingress: set both min_replicas and max_replicas")
+            if not 1 <= self.min_replicas <= self.max_replicas:
+                raise bad("max_replicas", f">= min_replicas={self.min_replicas} >= 1")
+        if self.target_ongoing_requests < 1:
+            raise bad("target_ongoing_requests", ">= 1")
+        if self.max_ongoing_requests < 1:
+            raise bad("max_ongoing_requests", ">= 1")
+
+
 def _default_pools() -> dict[str, PoolConfig]:
     return {"prefill": PoolConfig(), "decode": PoolConfig(), "mixed": PoolConfig(replicas=0)}
 
@@ -80,12 +113,14 @@ class ServeConfig:
     served_model_name: str | None = None  # default: the model's name or directory name
     pools: dict[str, PoolConfig] = field(default_factory=_default_pools)
     router: RouterConfig = field(default_factory=RouterConfig)
+    ingress: IngressConfig = field(default_factory=IngressConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     app_name: str = "splitserve"
     stats_period_s: float = 0.25  # how often workers report their load
 
     def __post_init__(self) -> None:
+        self.ingress.check()
         unknown = set(self.pools) - set(POOLS)
         if unknown:
             raise ValueError(f"unknown pool {sorted(unknown)[0]!r}; pools: {', '.join(POOLS)}")
@@ -114,6 +149,9 @@ class ServeConfig:
             values["engine"] = EngineConfig.from_dict(values["engine"])
         if "router" in values:
             values["router"] = RouterConfig(**known_keys(RouterConfig, values["router"], "router."))
+        if "ingress" in values:
+            ingress = values["ingress"] or {}
+            values["ingress"] = IngressConfig(**known_keys(IngressConfig, ingress, "ingress."))
         if "pools" in values:
             pools = {}
             for name, pool in (values["pools"] or {}).items():

@@ -107,3 +107,57 @@ def test_the_kv_message_byte_cap_can_be_lifted():
     assert config.engine.kv_transfer.nccl_options()["max_message_bytes"] is None
     config = ServeConfig.from_dict({"engine": {"kv_transfer": {"max_message_mb": 32}}})
     assert config.engine.kv_transfer.nccl_options()["max_message_bytes"] == 32 << 20
+
+
+def test_ingress_config_is_checked_and_builds_its_deployment():
+    from splitserve.cluster.app import ingress_deployment
+    from splitserve.cluster.serve_config import ServeConfig
+
+    fixed = ServeConfig.from_dict({"ingress": {"replicas": 3}})
+    assert ingress_deployment(fixed).num_replicas == 3
+    scaled = ServeConfig.from_dict({"ingress": {"min_replicas": 1, "max_replicas": 4}})
+    autoscaling = ingress_deployment(scaled)._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
+    assert autoscaling.target_ongoing_requests == 256
+    with pytest.raises(ValueError, match="unknown config key 'ingress.replica'"):
+        ServeConfig.from_dict({"ingress": {"replica": 2}})
+    with pytest.raises(ValueError, match="ingress: set both min_replicas and max_replicas"):
+        ServeConfig.from_dict({"ingress": {"min_replicas": 1}})
+    with pytest.raises(ValueError, match="invalid ingress.replicas=0"):
+        ServeConfig.from_dict({"ingress": {"replicas": 0}})
+
+
+def test_metrics_sum_every_ingress_replica():
+    from splitserve.cluster.metrics import INGRESS, ServingMetrics
+
+    mine, other = ServingMetrics(), ServingMetrics()
+    mine.requests.labels("disaggregated", "ok").inc(2)
+    other.requests.labels("disaggregated", "ok").inc(3)
+    other.ttft.labels("local_short").observe(0.02)
+    snapshot = {
+        "ingress-b": (INGRESS, {"samples": other.samples()}),
+        "ingress-a": (INGRESS, {"samples": []}),  # this replica's stale post: not counted
+        "w1": (
+            "decode",
+            {
+                "num_running": 4,
+                "num_free_blocks": 1,
+                "num_blocks": 2,
+                "kv_usage": 0.5,
+                "pid": 7,
+                "engine_pid": 8,
+                "num_waiting": 0,
+                "num_waiting_for_kv": 0,
+                "num_sending_kv": 0,
+                "queued_prompt_tokens": 0,
+                "kv_transfers": 0,
+                "kv_transfer_bytes": 0,
+                "kv_transfer_seconds": 0.0,
+            },
+        ),
+    }
+    text = mine.render(snapshot, "ingress-a").decode()
+    assert 'splitserve_requests_total{outcome="ok",route="disaggregated"} 5.0' in text
+    assert 'splitserve_time_to_first_token_seconds_count{route="local_short"} 1.0' in text
+    assert 'splitserve_pool_replicas{pool="decode"} 1.0' in text
+    assert 'pool="ingress"' not in text

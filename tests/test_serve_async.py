@@ -8,6 +8,10 @@ workers while its step is still being read back.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -32,6 +36,7 @@ def server(model_dir, tmp_path_factory):
     config = one_prefill_one_decode_config(
         model_dir, NUM_BLOCKS, MAX_MODEL_LEN, async_scheduling=True
     )
+    config["ingress"] = {"replicas": 2}  # two HTTP fronts behind Ray Serve's proxy
     with serving(config, tmp_path_factory.mktemp("serve-async")) as server:
         yield server
 
@@ -84,3 +89,19 @@ def test_client_disconnect_frees_kv_on_both_workers(server):
     sock.close()
     server.wait_all_blocks_free()
     assert server.metrics()['splitserve_requests_total{outcome="cancelled",route="disaggregated"}']
+
+
+def test_the_ingress_runs_the_configured_replicas(server):
+    """``ingress.replicas: 2``: two HTTP front replicas run, and the tests above went
+    through them."""
+    script = (
+        "import json, ray; from ray import serve; "
+        f"ray.init(address={server.ray_address!r}, logging_level='ERROR'); "
+        "d = serve.status().applications['splitserve'].deployments['ingress']; "
+        "print(json.dumps({str(k): v for k, v in d.replica_states.items()}))"
+    )
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    states = json.loads(out.stdout.strip().splitlines()[-1])
+    assert states == {"RUNNING": 2}, (states, out.stderr[-2000:])
