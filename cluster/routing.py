@@ -8,7 +8,8 @@ Per request the router picks a **route**:
   to a prefill worker would cost more than it saves;
 - ``disaggregated``: a prefill worker computes the prompt and hands the KV to a
   decode worker. The decode worker may still keep it local when most of the
-  prompt is a hit in its prefix cache (``local_prefix_hit``, decided there).
+  prompt is a hit in its prefix cache (``local_prefix_hit``: the rule is
+  ``keeps_prefix_hit_local``, applied there because only it knows its cache).
 
 Within a pool the router ranks replicas by live load (``WorkerLoad``, from
 the workers' reported stats) plus the requests it sent them since the last
@@ -81,6 +82,12 @@ def choose_route(
     if not disaggregated_pools:
         raise ValueError("no worker can serve: deploy a mixed pool, or prefill and decode pools")
     return LOCAL_SHORT if short else DISAGGREGATED
+
+
+def keeps_prefix_hit_local(num_cached_tokens: int, num_prompt_tokens: int, ratio: float) -> bool:
+    """A decode worker's half of the route: it computes a disaggregated request's prompt
+    itself (``local_prefix_hit``) when its prefix cache holds ``ratio`` of it."""
+    return num_cached_tokens >= ratio * num_prompt_tokens
 
 
 def prefill_cost(load: WorkerLoad, pending_tokens: int) -> tuple:

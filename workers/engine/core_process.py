@@ -29,6 +29,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from splitserve.cluster import routing
 from splitserve.config import EngineConfig, env
 from splitserve.errors import InvalidRequestError
 from splitserve.scheduler.request import RequestStatus
@@ -199,11 +200,11 @@ class EngineCore:
                 return None
             cached = engine.num_cached_prefix_tokens(ids)
             ratio = call.local_prefix_ratio
-            if ratio is not None and cached >= ratio * len(ids):
+            if ratio is not None and routing.keeps_prefix_hit_local(cached, len(ids), ratio):
                 engine.add_request(rid, ids, call.params)
-                return Routed(rid, "local_prefix_hit")
+                return Routed(rid, routing.LOCAL_PREFIX_HIT)
             engine.add_remote_request(rid, ids, call.params)
-            return Routed(rid, "disaggregated")
+            return Routed(rid, routing.DISAGGREGATED)
         except InvalidRequestError as e:
             return Rejected(rid, str(e))
 
