@@ -199,7 +199,8 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
         print(
             f"[{label}] {point.label} run {i + 1}/{len(point.runs)}: {summary['completed']}/"
             f"{summary['sent']} done in {seconds:.2f} s, {summary['output_throughput']:.0f} "
-            f"out tok/s, TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms, routes {routes}",
+            f"out tok/s, TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms, routes {routes}, "
+            f"client CPU {cpu['client'] or 0:.0%} of the machine",
             flush=True,
         )
     throughputs = [r["summary"]["output_throughput"] for r in runs]

@@ -119,10 +119,11 @@ def route_counts(url: str) -> dict[str, float]:
 
 
 class CpuProbe:
-    """CPU use from its creation to ``stop()`` (Linux ``/proc``): the machine's busy
-    share, and the share taken by processes outside this one's tree (this process,
-    the server it started, its Ray workers): other users' work, which skews every
-    figure on a shared machine. ``stop()`` gives None values elsewhere."""
+    """CPU use from its creation to ``stop()`` (Linux ``/proc``), as shares of the
+    whole machine: ``busy``; ``client``, this process (the load generator, which
+    competes with the server on a small machine); ``foreign``, processes outside
+    this one's tree (this process, the server it started, its Ray workers): other
+    users' work, which skews every figure. None values where there is no ``/proc``."""
 
     def __init__(self):
         self.start = _cpu_sample()
@@ -130,11 +131,15 @@ class CpuProbe:
     def stop(self) -> dict[str, float | None]:
         end = _cpu_sample()
         if self.start is None or end is None or end[1] == self.start[1]:
-            return {"busy": None, "foreign": None}
-        (idle0, total0, ours0), (idle1, total1, ours1) = self.start, end
+            return {"busy": None, "client": None, "foreign": None}
+        (idle0, total0, ours0, self0), (idle1, total1, ours1, self1) = self.start, end
         total = total1 - total0
         busy = total - (idle1 - idle0)
-        return {"busy": busy / total, "foreign": max(0, busy - (ours1 - ours0)) / total}
+        return {
+            "busy": busy / total,
+            "client": (self1 - self0) * os.sysconf("SC_CLK_TCK") / total,
+            "foreign": max(0, busy - (ours1 - ours0)) / total,
+        }
 
 
 def background_cpu(seconds: float = 2.0) -> dict[str, float | None]:
@@ -144,12 +149,13 @@ def background_cpu(seconds: float = 2.0) -> dict[str, float | None]:
     return probe.stop()
 
 
-def _cpu_sample() -> tuple[int, int, int] | None:
-    """(idle, total) ticks of all CPUs, and the ticks this process's tree has used."""
+def _cpu_sample() -> tuple[int, int, int, float] | None:
+    """(idle, total) ticks of all CPUs, the ticks this process's tree has used, and
+    this process's CPU seconds."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
-        return ticks[3] + ticks[4], sum(ticks), _tree_ticks(os.getpid())
+        return ticks[3] + ticks[4], sum(ticks), _tree_ticks(os.getpid()), time.process_time()
     except (OSError, ValueError):
         return None
 
