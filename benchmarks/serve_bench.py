@@ -11,7 +11,8 @@ Each ``--config`` in turn: its ``splitserve serve`` is started on a free port (o
 ``--port``), waited for on ``/health``, and stopped with SIGINT at the end;
 ``--url`` measures a running server instead. A load point sends ``--num-prompts``
 requests open-loop (``--request-rate``: Poisson arrivals, ``inf``: all at once)
-or closed-loop (``--max-concurrency``); ``serve_load.py`` times every request.
+or closed-loop (``--max-concurrency``); ``serve_load.py`` times every request,
+``serve_report.py`` prints the tables and writes the JSON and the plot.
 Prompts are random token ids (a simulated load shape), new ones each point (no
 prefix-cache hits between points), the same across configs; ``--prompts-file``
 gives real ones (the same every point: later points may hit the prefix cache,
@@ -45,12 +46,12 @@ try:
     import serve_engine
     import serve_load
     import serve_process as sp
+    import serve_report
 except ImportError:  # imported as benchmarks.serve_bench (the tests)
-    from benchmarks import roofline, serve_engine, serve_load
+    from benchmarks import roofline, serve_engine, serve_load, serve_report
     from benchmarks import serve_process as sp
 
 DEFAULT_VOCAB_SIZE = 256  # below the tiny presets' 512, for servers whose model is unknown
-LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -194,7 +195,7 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
         cpu, after = warn_if_busy(probe.stop(), f"during {point.label}"), sp.route_counts(url)
         summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
         routes = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        requests = [dataclasses.asdict(r) for r in results]
+        requests = [r.record() for r in results]
         runs.append({"summary": summary, "routes": routes, "cpu": cpu, "requests": requests})
         print(
             f"[{label}] {point.label} run {i + 1}/{len(point.runs)}: {summary['completed']}/"
@@ -241,7 +242,7 @@ def low_load_report(results, seconds: float, baseline: dict | None) -> dict:
     return out
 
 
-# --- the report ----------------------------------------------------------------------
+# --- the command ---------------------------------------------------------------------
 
 
 def workload_text(args) -> str:
@@ -251,84 +252,6 @@ def workload_text(args) -> str:
         f"random token ids (a simulated load shape): input {args.input_len} "
         f"(+-{100 * args.input_len_range:g}%), output {args.output_len}, greedy, ignore_eos"
     )
-
-
-def print_tables(report: dict) -> None:
-    args = report["arguments"]
-    print(f"\nPrompts: {report['workload']}; {args['num_prompts']} requests a load point.")
-    slo = f"TTFT <= {args['slo_ttft_ms']} ms, TPOT <= {args['slo_tpot_ms']} ms (None: no SLO)"
-    print(f"Goodput: completed requests meeting {slo}.\n")
-    rows, latency, low = [], [], []
-    for c in report["configs"]:
-        for p in c["points"]:
-            s = p["summary"]
-            engine = (p.get("engine") or {}).get("output_throughput")
-            runs = p["output_throughput_runs"]
-            rows.append(
-                [c["label"], p["label"], len(runs), f"{min(runs):.0f}-{max(runs):.0f}"]
-                + [s["completed"], s["failed"], s["duration_s"]]
-                + [s["request_throughput"], s["output_throughput"], s["total_token_throughput"]]
-                + [s["goodput"], s["goodput_fraction"], engine, p.get("served_vs_engine")]
-            )
-            for m in LATENCIES:
-                latency.append([c["label"], p["label"], m[:-3].upper(), *s[m].values()])
-        if "low_load_ttft" in c:
-            t = c["low_load_ttft"]
-            served, engine = t["served_ttft_ms"], t.get("engine_ttft_ms") or {}
-            low.append([c["label"], t["requests"], served["p50"], engine.get("p50")])
-            low[-1] += [t.get("added_p50_ms"), served["p90"], engine.get("p90")]
-    columns = ["config", "load", "runs", "out tok/s range", "done", "failed", "s", "req/s"]
-    columns += ["out tok/s", "total tok/s"]
-    columns += ["good req/s", "good frac", "engine out tok/s", "served/eng"]
-    roofline.print_table(columns, rows)
-    print("\nLatency (ms):")
-    roofline.print_table(["config", "load", "metric", "mean", "p50", "p90", "p99"], latency)
-    if low:
-        print("\nTTFT at low load, one request at a time (ms):")
-        columns = ["config", "requests", "served p50", "engine p50", "added p50"]
-        roofline.print_table(columns + ["served p90", "engine p90"], low)
-
-
-def plot(path: Path, report: dict) -> None:
-    """p50 (solid) and p90 (dashed) TTFT, TPOT and E2E, and goodput, per load mode."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = sorted({p["mode"] for c in report["configs"] for p in c["points"]})
-    panels = ["ttft_ms", "tpot_ms", "e2e_ms", "goodput"]
-    fig, axes = plt.subplots(len(modes), 4, figsize=(16, 3.6 * len(modes)), squeeze=False)
-    for row, mode in zip(axes, modes):
-        for i, c in enumerate(report["configs"]):
-            points = sorted((p for p in c["points"] if p["mode"] == mode), key=lambda p: p["value"])
-            x = list(range(len(points)))
-            for ax, panel in zip(row, panels):
-                ys = [p["summary"][panel] for p in points]
-                if panel == "goodput":
-                    ax.plot(x, ys, "o-", color=f"C{i}", label=c["label"])
-                    continue
-                ax.plot(x, [y["p50"] for y in ys], "o-", color=f"C{i}", label=f"{c['label']} p50")
-                ax.plot(x, [y["p90"] for y in ys], "s--", color=f"C{i}", label=f"{c['label']} p90")
-            for ax in row:
-                ax.set_xticks(x, [p["label"].split("=")[1] for p in points])
-        for ax, panel in zip(row, panels):
-            ax.set_xlabel("request rate (req/s)" if mode == "rate" else "concurrency")
-            ax.set_ylabel("goodput (req/s)" if panel == "goodput" else f"{panel[:-3].upper()} ms")
-            ax.grid(alpha=0.3)
-        row[0].legend(fontsize=7)
-        args = report["arguments"]
-        row[3].set_title(
-            f"SLO: TTFT {args['slo_ttft_ms']} ms, TPOT {args['slo_tpot_ms']} ms", fontsize=8
-        )
-    fig.suptitle(f"splitserve serve_bench: {report['workload']}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -396,11 +319,11 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for config, url in targets:
         report["configs"].append(bench_target(args, config, url))
-    print_tables(report)
+    serve_report.print_tables(report)
     if args.json:
-        roofline.write_report(args.json, report)
+        serve_report.write_json(args.json, report)
     if args.plot:
-        plot(args.plot, report)
+        serve_report.plot(args.plot, report)
     return report
 
 

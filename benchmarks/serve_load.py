@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -61,11 +62,23 @@ class RequestResult:
     multi_token_events: int = 0  # ... more than one
     same_read_events: int = 0  # ... in the same network read as the token event before
 
+    def record(self) -> dict:
+        """The fields as a dict for a report, times rounded to the microsecond."""
+        return {k: _round_us(v) for k, v in dataclasses.asdict(self).items()}
+
     @property
     def tpot_s(self) -> float | None:
         if not self.ok or self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def _round_us(value):
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, list):
+        return [_round_us(v) for v in value]
+    return value
 
 
 # --- prompts -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from benchmarks import serve_bench, serve_process
+from benchmarks import serve_bench, serve_process, serve_report
 from benchmarks.serve_load import RequestResult, random_prompts, read_prompts_file, summarize
 
 
@@ -105,3 +105,14 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
 def test_a_point_reports_its_median_run():
     assert serve_bench.median_index([900.0, 1300.0, 1000.0]) == 2
     assert serve_bench.median_index([5.0, 1.0, 4.0, 2.0]) == 3  # the lower middle of an even count
+
+
+def test_the_json_report_keeps_each_request_on_one_line(tmp_path):
+    request = RequestResult(max_tokens=2, ok=True, ttft_s=0.1234567, e2e_s=0.2, itl_s=[0.0765432])
+    report = {"value": float("inf"), "runs": [{"requests": [request.record()]}]}
+    path = tmp_path / "r.json"
+    serve_report.write_json(path, report)
+    lines = path.read_text().splitlines()
+    assert sum('"itl_s":[0.076543]' in line for line in lines) == 1
+    loaded = json.loads(path.read_text())
+    assert loaded["value"] is None and loaded["runs"][0]["requests"][0]["ttft_s"] == 0.123457

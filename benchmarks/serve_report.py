@@ -1,0 +1,122 @@
+"""The report of ``serve_bench.py``: Markdown tables, the JSON file, the plot.
+
+The report is a dict: ``workload``, ``arguments``, ``environment`` and one entry a
+config with its ``points`` (each with ``summary``, the median run's figures, and
+``runs``), ``engine_baseline`` and ``low_load_ttft``. ``write_json`` puts each
+request's record on one line; ``plot`` needs matplotlib and is skipped without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+try:
+    import roofline
+except ImportError:  # imported as benchmarks.serve_report (the tests)
+    from benchmarks import roofline
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+
+
+def print_tables(report: dict) -> None:
+    args = report["arguments"]
+    print(f"\nPrompts: {report['workload']}; {args['num_prompts']} requests a load point.")
+    slo = f"TTFT <= {args['slo_ttft_ms']} ms, TPOT <= {args['slo_tpot_ms']} ms (None: no SLO)"
+    print(f"Goodput: completed requests meeting {slo}.\n")
+    rows, latency, low = [], [], []
+    for c in report["configs"]:
+        for p in c["points"]:
+            s = p["summary"]
+            engine = (p.get("engine") or {}).get("output_throughput")
+            runs = p["output_throughput_runs"]
+            rows.append(
+                [c["label"], p["label"], len(runs), f"{min(runs):.0f}-{max(runs):.0f}"]
+                + [s["completed"], s["failed"], s["duration_s"]]
+                + [s["request_throughput"], s["output_throughput"], s["total_token_throughput"]]
+                + [s["goodput"], s["goodput_fraction"], engine, p.get("served_vs_engine")]
+            )
+            for m in LATENCIES:
+                latency.append([c["label"], p["label"], m[:-3].upper(), *s[m].values()])
+        if "low_load_ttft" in c:
+            t = c["low_load_ttft"]
+            served, engine = t["served_ttft_ms"], t.get("engine_ttft_ms") or {}
+            low.append([c["label"], t["requests"], served["p50"], engine.get("p50")])
+            low[-1] += [t.get("added_p50_ms"), served["p90"], engine.get("p90")]
+    columns = ["config", "load", "runs", "out tok/s range", "done", "failed", "s", "req/s"]
+    columns += ["out tok/s", "total tok/s"]
+    columns += ["good req/s", "good frac", "engine out tok/s", "served/eng"]
+    roofline.print_table(columns, rows)
+    print("\nLatency (ms):")
+    roofline.print_table(["config", "load", "metric", "mean", "p50", "p90", "p99"], latency)
+    if low:
+        print("\nTTFT at low load, one request at a time (ms):")
+        columns = ["config", "requests", "served p50", "engine p50", "added p50"]
+        roofline.print_table(columns + ["served p90", "engine p90"], low)
+
+
+def write_json(path: Path, report: dict) -> None:
+    """Indented JSON with each request's record on one line; NaN and inf become null."""
+    records: dict[str, str] = {}
+
+    def shrink(value):
+        if isinstance(value, float):
+            return value if math.isfinite(value) else None
+        if isinstance(value, list):
+            return [shrink(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        value = {k: shrink(v) for k, v in value.items()}
+        if "itl_s" in value:  # a request's record
+            key = f"@request{len(records)}@"
+            records[key] = json.dumps(value, separators=(",", ":"), allow_nan=False)
+            return key
+        return value
+
+    text = json.dumps(shrink(report), indent=2, allow_nan=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(re.sub(r'"(@request\d+@)"', lambda m: records[m.group(1)], text) + "\n")
+
+
+def plot(path: Path, report: dict) -> None:
+    """p50 (solid) and p90 (dashed) TTFT, TPOT and E2E, and goodput, per load mode."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install -e '.[bench]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({p["mode"] for c in report["configs"] for p in c["points"]})
+    panels = ["ttft_ms", "tpot_ms", "e2e_ms", "goodput"]
+    fig, axes = plt.subplots(len(modes), 4, figsize=(16, 3.6 * len(modes)), squeeze=False)
+    for row, mode in zip(axes, modes):
+        for i, c in enumerate(report["configs"]):
+            points = sorted((p for p in c["points"] if p["mode"] == mode), key=lambda p: p["value"])
+            x = list(range(len(points)))
+            for ax, panel in zip(row, panels):
+                ys = [p["summary"][panel] for p in points]
+                if panel == "goodput":
+                    ax.plot(x, ys, "o-", color=f"C{i}", label=c["label"])
+                    continue
+                ax.plot(x, [y["p50"] for y in ys], "o-", color=f"C{i}", label=f"{c['label']} p50")
+                ax.plot(x, [y["p90"] for y in ys], "s--", color=f"C{i}", label=f"{c['label']} p90")
+            for ax in row:
+                ax.set_xticks(x, [p["label"].split("=")[1] for p in points])
+        for ax, panel in zip(row, panels):
+            ax.set_xlabel("request rate (req/s)" if mode == "rate" else "concurrency")
+            ax.set_ylabel("goodput (req/s)" if panel == "goodput" else f"{panel[:-3].upper()} ms")
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=7)
+        args = report["arguments"]
+        row[3].set_title(
+            f"SLO: TTFT {args['slo_ttft_ms']} ms, TPOT {args['slo_tpot_ms']} ms", fontsize=8
+        )
+    fig.suptitle(f"splitserve serve_bench: {report['workload']}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
