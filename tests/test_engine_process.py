@@ -187,3 +187,29 @@ def test_merged_deltas_keep_every_token_in_order():
     merged = merge_deltas([a, b])
     assert merged.token_ids == [1, 2, 3] and merged.text == "abc"
     assert merged.finish_reason == "length" and merged.num_cached_tokens == 4
+
+
+def test_the_ingress_merges_a_lists_deltas_and_raises_on_rejection_or_failure():
+    """``worker_calls.guard``: one worker item (a list of events) becomes its events with
+    each run of deltas merged; ``Rejected`` is the ingress's 400, ``Failed`` WorkerFailed."""
+    from splitserve.cluster.openai_api import OpenAIError
+    from splitserve.cluster.worker_calls import WorkerFailed, guard
+    from splitserve.workers.engine.messages import Routed
+
+    async def items(*lists):
+        for events in lists:
+            yield events
+
+    async def take(call):
+        return [e async for e in guard(call, "decode worker")]
+
+    a = Delta("r", [1], "a", None, None, None, 0, None)
+    b = Delta("r", [2, 3], "bc", None, "length", None, 0, None)
+    events = asyncio.run(take(items([Routed("r", "disaggregated"), a, b])))
+    assert events[0] == Routed("r", "disaggregated") and len(events) == 2
+    assert events[1].token_ids == [1, 2, 3] and events[1].finish_reason == "length"
+    with pytest.raises(OpenAIError) as rejected:
+        asyncio.run(take(items([Rejected("r", "prompt is empty")])))
+    assert rejected.value.status == 400 and "prompt is empty" in str(rejected.value)
+    with pytest.raises(WorkerFailed, match="the decode worker failed: gone"):
+        asyncio.run(take(items([a], [Failed("r", "gone")])))

@@ -18,6 +18,7 @@ or died) the process exits: it never outlives its replica.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import queue
@@ -123,7 +124,7 @@ class EngineCore:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._rendezvous: dict[int, tuple[threading.Event, list]] = {}
-        self._next_call = 0
+        self._call_ids = itertools.count(1)  # next() is atomic under the GIL
         self._stopped = False
         options = {"owner": start.owner} if start.owner else {}
         if start.rendezvous:
@@ -210,9 +211,7 @@ class EngineCore:
 
     def _ask_rendezvous(self, ticket, pair_key: str, unique_id: bytes) -> None:
         """NCCL prefill side, on a transport thread: the replica reaches the decode worker."""
-        with self._send_lock:
-            self._next_call += 1
-            call_id = self._next_call
+        call_id = next(self._call_ids)
         done, result = threading.Event(), []
         self._rendezvous[call_id] = (done, result)
         try:
