@@ -155,14 +155,19 @@ def fused_moe(
     w2: torch.Tensor,  # [num_experts, hidden, intermediate]
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    skip_negative_ids: bool = False,
 ) -> torch.Tensor:
     """Every token through its top-k experts, weighted and summed.
 
     On CUDA: the block-padded layout of ``kernels/moe_align.py`` (at most
     ``num_tokens * top_k + num_experts * (block_m - 1)`` rows) and two grouped GEMMs.
+    ``skip_negative_ids``: an id of -1 is a choice computed elsewhere (expert
+    parallelism) and adds nothing.
     """
     kernels = _triton().fused_moe if use_triton(hidden) else moe
-    return kernels.fused_moe(hidden, w13, w2, topk_weights, topk_ids)
+    return kernels.fused_moe(
+        hidden, w13, w2, topk_weights, topk_ids, skip_negative_ids=skip_negative_ids
+    )
 
 
 def linear(

@@ -80,8 +80,12 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
     block_sizes: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K)
+    skip_negative_ids: bool = False,
 ) -> torch.Tensor:  # [num_tokens, hidden]
-    """Every token through its top-k experts (gate_up, SiLU-and-mul, down), weighted, summed."""
+    """Every token through its top-k experts (gate_up, SiLU-and-mul, down), weighted, summed.
+
+    ``skip_negative_ids``: ``topk_ids`` may hold -1 (a choice another expert-parallel
+    rank computes); no row computes it and it adds zero (its down rows start zeroed)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -98,7 +102,8 @@ def fused_moe(
     num_entries = num_tokens * top_k
     gate_up = torch.empty(num_entries, two_i, dtype=hidden.dtype, device=hidden.device)
     _grouped_gemm(_rows(hidden), w13, gate_up, None, top_k, *layout)
-    down = torch.empty(num_entries, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    new_down = torch.zeros if skip_negative_ids else torch.empty
+    down = new_down(num_entries, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.float().flatten().contiguous()
     _grouped_gemm(silu_and_mul(gate_up), w2, down, weights, 1, *layout)
     return (

@@ -64,7 +64,8 @@ def _moe_align_kernel(
         hit = (ids[:, None] == experts[None, :]).to(tl.int32)
         rank = tl.cumsum(hit, axis=0) - hit + seen[None, :]
         row = tl.sum(hit * (padded_start[None, :] + rank), axis=1)
-        tl.store(sorted_ids_ptr + row, entries, mask=entries < num_entries)
+        placed = (entries < num_entries) & (tl.sum(hit, axis=1) > 0)  # -1: left out
+        tl.store(sorted_ids_ptr + row, entries, mask=placed)
         seen += tl.sum(hit, axis=0)
 
     for first in range(0, max_blocks, BLOCK_B):

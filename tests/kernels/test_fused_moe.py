@@ -69,3 +69,25 @@ def test_fused_moe_uses_each_tokens_own_experts():
     )
     assert_close(swapped, out[perm], torch.float32)
     assert not torch.allclose(out[0], out[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_skipped_choices_add_nothing(dtype):
+    """An expert id of -1 (computed on another expert-parallel rank) adds nothing: the
+    output equals the reference with that choice's weight zero, a token with every
+    choice skipped comes out zero."""
+    num_tokens, hidden, intermediate, num_experts, top_k = 9, 72, 40, 8, 3
+    x = randn(num_tokens, hidden, dtype=dtype)
+    w13 = (randn(num_experts, 2 * intermediate, hidden) / hidden**0.5).to(dtype)
+    w2 = (randn(num_experts, hidden, intermediate) / intermediate**0.5).to(dtype)
+    topk_weights, topk_ids = route(num_tokens, num_experts, top_k)
+    skip = torch.zeros_like(topk_ids, dtype=torch.bool)
+    skip[::2, 0] = True
+    skip[4] = True
+    ids, weights = topk_ids.masked_fill(skip, -1), topk_weights.masked_fill(skip, 0.0)
+    want = fused_moe_ref(x, w13, w2, weights, topk_ids)
+    assert_close(fused_moe_ref(x, w13, w2, weights, ids), want, dtype)
+    blocks = CPU_BLOCKS if DEVICE == "cpu" else None
+    out = fused_moe(x, w13, w2, weights, ids, block_sizes=blocks, skip_negative_ids=True)
+    assert_close(out, want, dtype)
+    assert (out[4] == 0).all()

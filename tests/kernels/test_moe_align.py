@@ -37,3 +37,26 @@ def test_triton_align_hands_large_batches_and_odd_blocks_to_the_reference():
         got = tri.moe_align_block_size(topk_ids, 8, block_m)
         want = ref.moe_align_block_size(topk_ids, 8, block_m)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_skipped_choices_are_left_out_of_the_layout(block_m):
+    """-1 (a choice another expert-parallel rank computes) gets no row; the layout of the
+    rest is what it would be without them, and the Triton layout equals the reference."""
+    topk_ids = random_topk_ids(40, 16, 4)
+    skipped = topk_ids.clone()
+    skipped[::3, 1:] = -1
+    skipped[5] = -1  # a token with nothing here
+    sorted_ids, expert_ids, num_post = ref.moe_align_block_size(skipped, 16, block_m)
+    flat, num_entries = skipped.flatten(), skipped.numel()
+    real = sorted_ids[sorted_ids < num_entries].long()
+    assert sorted(real.tolist()) == (flat >= 0).nonzero().flatten().tolist()
+    counts = torch.bincount(flat[flat >= 0], minlength=16)
+    assert int(num_post) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    for block in range(int(num_post) // block_m):
+        rows = sorted_ids[block * block_m : (block + 1) * block_m]
+        rows = rows[rows < num_entries].long()
+        assert (flat[rows] == expert_ids[block]).all()
+    got = tri.moe_align_block_size(skipped.to(torch.int32), 16, block_m)
+    for g, w in zip(got, (sorted_ids, expert_ids, num_post), strict=True):
+        assert torch.equal(g, w)
