@@ -17,6 +17,12 @@ Disaggregated (the KV of the prompt moves from a prefill to a decode worker)::
 tokens ``num_computed_tokens .. num_tokens - 1`` (or a chunk of them); when a
 step reaches ``num_tokens`` the request samples its next token.
 
+Speculative decoding (MTP): ``spec_token_ids`` are the drafts proposed for the
+request's next tokens. A verify step computes the last known token and the
+drafts; ``num_tokens_with_spec`` counts them, so ``will_sample`` waits for them
+too. Once verified, the accepted run joins ``output_token_ids`` and the KV of
+the rejected positions is rolled back (``num_computed_tokens`` drops past them).
+
 With async scheduling a sampled token may still be on the device while the
 next step is scheduled: it counts in ``num_tokens`` as a pending token, reads
 as ``PLACEHOLDER`` in ``token_ids_between`` (the model runner feeds the real id
@@ -66,6 +72,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts the next step verifies
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0  # of those, accepted
     stop_reason: int | str | None = None
     kv_ticket: Any = None  # prefill side: the TransferTicket the prompt's KV goes to
     error: str | None = None  # why a FINISHED_ERROR request failed
@@ -86,6 +95,11 @@ class Request:
         return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
+    def num_tokens_with_spec(self) -> int:
+        """Known and pending tokens, then the drafts the next step verifies."""
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -98,7 +112,12 @@ class Request:
         else:
             ids = self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - n)]
         missing = min(end, self.num_tokens) - max(start, n + len(self.output_token_ids))
-        return ids + [PLACEHOLDER] * missing if missing > 0 else ids
+        if missing > 0:
+            ids = ids + [PLACEHOLDER] * missing
+        if end > self.num_tokens and self.spec_token_ids:  # drafts follow the known tokens
+            first = max(start, self.num_tokens) - self.num_tokens
+            ids = ids + self.spec_token_ids[first : end - self.num_tokens]
+        return ids
 
     @property
     def is_finished(self) -> bool:

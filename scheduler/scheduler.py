@@ -21,6 +21,14 @@ scheduling the next step is scheduled in between, while the device computes. A r
 its scheduled tokens reach its end (``will_sample``); the model runner uses the
 same rule to pick the rows that become logits.
 
+Speculative decoding: a decoding request with drafts (``spec_token_ids``) takes
+``1 + drafts`` tokens, trimmed to the budget, the context length and what
+``max_tokens`` leaves. A step that samples also allocates
+``num_lookahead_tokens`` slots past its tokens, where the drafter writes its
+chained drafts' KV. ``resolve`` takes the verified run: the rejected drafts'
+positions leave ``num_computed_tokens`` (their KV is rolled back: never hashed,
+overwritten by the next step).
+
 Disaggregation adds two holding areas outside the step. A decode worker's
 remote requests wait in ``waiting_for_blocks`` until ``reserve_kv_blocks`` can
 give them blocks for the whole prompt (FIFO, counted against ``max_num_seqs``),
@@ -43,9 +51,10 @@ from splitserve.scheduler.request import Request, RequestStatus
 def will_sample(request: Request, num_scheduled_tokens: int) -> bool:
     """Whether a step that computes ``num_scheduled_tokens`` tokens samples a token.
 
-    Read before ``update_from_output`` advances ``request.num_computed_tokens``.
+    Read before ``update_from_output`` advances ``request.num_computed_tokens``. A
+    verify step samples once it has computed the drafts too.
     """
-    return request.num_computed_tokens + num_scheduled_tokens == request.num_tokens
+    return request.num_computed_tokens + num_scheduled_tokens == request.num_tokens_with_spec
 
 
 @dataclass
@@ -76,13 +85,22 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        num_lookahead_tokens: int = 0,
+    ):
+        """``num_lookahead_tokens``: slots a sampling step keeps past its tokens for the
+        drafter (speculative decoding: the number of draft tokens)."""
         config.check()
         if max_model_len < 1:
             raise ValueError(f"invalid max_model_len={max_model_len}: must be >= 1")
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
@@ -113,7 +131,7 @@ class Scheduler:
         """Reject a request that could never be scheduled (it would wait forever)."""
         # The last sampled token is never fed back, so its KV is never computed.
         max_len = request.num_prompt_tokens + request.sampling_params.max_tokens - 1
-        max_len = min(max_len, self.max_model_len)
+        max_len = min(max_len + self.num_lookahead_tokens, self.max_model_len)
         capacity = self.block_manager.num_usable_blocks * self.block_manager.block_size
         if max_len > capacity:
             raise ValueError(
@@ -221,13 +239,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            remaining = req.num_tokens - req.num_computed_tokens
+            self._trim_drafts(req, budget)
+            remaining = req.num_tokens_with_spec - req.num_computed_tokens
             n = min(remaining, budget)
             whole = self.config.enable_chunked_prefill or n == remaining
             if n == 0 or not whole or self._ends_at_pending_token(req):
                 i += 1
                 continue
-            while not self.block_manager.allocate_slots(req, n):
+            while not self.block_manager.allocate_slots(req, n + self._lookahead(req, n)):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -237,6 +256,26 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _trim_drafts(self, req: Request, budget: int) -> None:
+        """Keep the drafts that fit the budget, the context length and ``max_tokens`` (an
+        accepted run of ``k`` drafts yields ``k + 1`` tokens)."""
+        if not req.spec_token_ids:
+            return
+        room = min(
+            budget - (req.num_tokens - req.num_computed_tokens),
+            self.max_model_len - req.num_tokens,
+            req.sampling_params.max_tokens - req.num_output_tokens - 1,
+        )
+        del req.spec_token_ids[max(room, 0) :]
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots past a sampling step's tokens for the drafter's chained KV, within the
+        context length."""
+        if not self.num_lookahead_tokens or not will_sample(req, n):
+            return 0
+        end = req.num_computed_tokens + n
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _ends_at_pending_token(self, req: Request) -> bool:
         """The token still on the device is the request's last (max_tokens or the
@@ -248,6 +287,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
+        request.spec_token_ids.clear()  # drafted from KV that is gone; recomputed, not verified
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -263,7 +303,8 @@ class Scheduler:
             n = min(remaining, budget)
             if not self.config.enable_chunked_prefill and n < remaining:
                 break
-            if not self.block_manager.allocate_slots(req, n, computed_blocks):
+            lookahead = self._lookahead(req, num_hit + n) if n == remaining else 0
+            if not self.block_manager.allocate_slots(req, n + lookahead, computed_blocks):
                 break
             self.waiting.popleft()
             if req.num_preemptions == 0:
@@ -274,7 +315,9 @@ class Scheduler:
             out.add(req, n)
             budget -= n
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int | list[int]]
+    ) -> None:
         """Advance each scheduled request by its tokens and append its sampled token."""
         self.advance(output)
         self.resolve(output, sampled)
@@ -290,16 +333,34 @@ class Scheduler:
                 req.num_pending_tokens += 1
             req.num_computed_tokens += n
 
-    def resolve(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+    def resolve(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> None:
         """The step's tokens reached the host: they replace the pending tokens, and
-        the blocks that are full of known tokens join the prefix cache."""
+        the blocks that are full of known tokens join the prefix cache.
+
+        A verify step's tokens are the accepted drafts and one more token; the
+        rejected drafts' positions are rolled back."""
         for req in output.requests:
             if req.is_finished:
                 continue
-            token = sampled.get(req.request_id)
-            if token is not None:
+            tokens = sampled.get(req.request_id)
+            if tokens is not None:
+                tokens = [tokens] if isinstance(tokens, int) else tokens
                 req.num_pending_tokens -= 1
-                req.output_token_ids.append(token)
+                self._settle_drafts(req, len(tokens) - 1)
+                req.output_token_ids.extend(tokens)
             if req.status in (RequestStatus.RUNNING, RequestStatus.SENDING_KV):
                 known = req.num_prompt_tokens + len(req.output_token_ids)
                 self.block_manager.cache_full_blocks(req, min(req.num_computed_tokens, known))
+
+    @staticmethod
+    def _settle_drafts(req: Request, num_accepted: int) -> None:
+        """Count the verified drafts and roll back the KV of the rejected ones."""
+        num_drafts = len(req.spec_token_ids)
+        if num_accepted > num_drafts:
+            raise ValueError(
+                f"request {req.request_id!r}: {num_accepted} drafts accepted of {num_drafts}"
+            )
+        req.num_computed_tokens -= num_drafts - num_accepted
+        req.num_draft_tokens += num_drafts
+        req.num_accepted_tokens += num_accepted
+        req.spec_token_ids = []

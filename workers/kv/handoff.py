@@ -18,6 +18,15 @@ after the step is read back.
 
 Either half ``cancel``s a request's transfer (abort, failure); the transport
 tells the other side.
+
+Speculative decoding (MTP): a decode worker that drafts asks for one more layer,
+the MTP layer's prompt KV (the MTP layer's first pass over the prompt on the
+prefill side writes it, fed the prompt shifted by one and the first token), and
+the done message carries the prefill worker's drafts, so the decode worker's
+first step verifies them and its drafter attends the prompt from there. Sending
+that layer costs ``2 * kv_heads * head_dim`` values a token, less than the
+prompt's hidden states it would be recomputed from (``hidden_size``; GLM-4.5-Air:
+2,048 against 4,096). A prefill worker without the drafter refuses such tickets.
 """
 
 from __future__ import annotations
@@ -59,10 +68,15 @@ HandoffEvent = KVArrived | SendAcked | HandoffFailed
 
 
 class HandoffScheduler:
-    def __init__(self, transport: KVTransport, scheduler: Scheduler, num_layers: int):
+    def __init__(
+        self, transport: KVTransport, scheduler: Scheduler, num_layers: int, drafts: bool = False
+    ):
+        """``num_layers``: the model's decoder layers; ``drafts``: this worker drafts with
+        the MTP layer (its KV layer ``num_layers`` travels too)."""
         self.transport = transport
         self.scheduler = scheduler
-        self.num_layers = num_layers  # layers that travel (MTP layers stay local)
+        self.drafts = drafts
+        self.num_layers = num_layers + drafts  # layers a ticket of this worker asks for
 
     def check_ticket(self, ticket: TransferTicket | bytes, request: Request) -> TransferTicket:
         """Prefill side: the ticket, unpacked; InvalidRequestError naming every mismatch."""
@@ -78,7 +92,13 @@ class HandoffScheduler:
                 f"the ticket covers {ticket.num_tokens} tokens, the prompt has "
                 f"{request.num_prompt_tokens}"
             )
-        if ticket.num_layers != self.num_layers:
+        if ticket.num_layers == self.num_layers + 1 and not self.drafts:
+            problems.append(
+                f"the ticket asks for {ticket.num_layers} layers, the MTP layer's KV included: "
+                "the decode worker drafts with MTP, this prefill worker has no "
+                "speculative_config; give both workers the same speculative_config"
+            )
+        elif ticket.num_layers not in (self.num_layers, self.num_layers - self.drafts):
             problems.append(
                 f"the ticket asks for {ticket.num_layers} layers, the model has {self.num_layers}"
             )
@@ -161,11 +181,19 @@ class HandoffWorker:
             sends.on_layer_stored = self._layer_sender(sends.request_ids)
         return sends
 
-    def finish_send(self, request: Request, token: int, logprobs: TokenLogprobs | None) -> None:
-        """After the step is read back: the first token follows the last layer."""
+    def finish_send(
+        self,
+        request: Request,
+        token: int,
+        logprobs: TokenLogprobs | None,
+        drafts: list[int] | None = None,
+    ) -> None:
+        """After the step is read back: the first token (and the drafts after it) follow
+        the last layer."""
         lp, top = (logprobs.logprob, logprobs.top) if logprobs is not None else (None, [])
         rid = request.request_id
-        self.transport.finish_send(rid, TransferDone(rid, token, lp, top))
+        done = TransferDone(rid, token, lp, top, list(drafts or []))
+        self.transport.finish_send(rid, done)
 
     def _layer_sender(self, request_ids: list[str]) -> Callable[[int], None]:
         send_layer = self.transport.send_layer
@@ -180,9 +208,11 @@ class HandoffWorker:
 class KVHandoff:
     """Both halves over one transport (a prefill or decode worker has one; mixed: none)."""
 
-    def __init__(self, transport: KVTransport, scheduler: Scheduler, num_layers: int):
+    def __init__(
+        self, transport: KVTransport, scheduler: Scheduler, num_layers: int, drafts: bool = False
+    ):
         self.transport = transport
-        self.scheduler = HandoffScheduler(transport, scheduler, num_layers)
+        self.scheduler = HandoffScheduler(transport, scheduler, num_layers, drafts)
         self.worker = HandoffWorker(transport)
 
     def close(self) -> None:

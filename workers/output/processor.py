@@ -25,6 +25,7 @@ class RequestState:
     logprobs: list[TokenLogprobs] | None = None
     sent_text_len: int = 0
     sent_token_len: int = 0
+    num_tokens: int = 0  # output tokens recorded by ``append``
 
 
 class OutputProcessor:
@@ -43,13 +44,15 @@ class OutputProcessor:
     def append(
         self, request: Request, token_id: int, logprobs: TokenLogprobs | None
     ) -> RequestStatus | None:
-        """Record a token the scheduler already appended; return a finish status when due."""
+        """Record a token the scheduler already appended (a verify step appends a run, and
+        each of its tokens is recorded in turn); return a finish status when due."""
         state: RequestState = request.output
         params = request.sampling_params
         new_text = state.detokenizer.add_token(token_id)
         if state.logprobs is not None:
             state.logprobs.append(logprobs)
-        num_out = len(request.output_token_ids)
+        state.num_tokens += 1
+        num_out = state.num_tokens
         stop_token = (token_id in request.eos_token_ids and not params.ignore_eos) or (
             token_id in params.stop_token_ids
         )

@@ -73,11 +73,15 @@ class ForwardBatch:
         return sum(_is_decode(q, s - q) for q, s in zip(self.query_lens, self.seq_lens))
 
     @staticmethod
-    def phase_of(query_lens: list[int], num_computed: list[int]) -> Phase:
-        """Decode when every request adds one token to an existing KV."""
-        decoding = [_is_decode(q, c) for q, c in zip(query_lens, num_computed)]
+    def phase_of(
+        query_lens: list[int], num_computed: list[int], num_drafts: list[int] | None = None
+    ) -> Phase:
+        """Decode when every request adds one token to an existing KV; verify when every
+        request does that or checks its drafts too, and at least one has drafts."""
+        num_drafts = num_drafts or [0] * len(query_lens)
+        decoding = [_is_decode(q - d, c) for q, c, d in zip(query_lens, num_computed, num_drafts)]
         if all(decoding):
-            return Phase.DECODE
+            return Phase.VERIFY if any(num_drafts) else Phase.DECODE
         if any(decoding):
             return Phase.MIXED
         return Phase.PREFILL

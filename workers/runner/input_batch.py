@@ -23,6 +23,7 @@ class StepRequest:
     num_computed: int  # tokens already in the KV cache
     block_ids: list[int]  # the request's block table
     sample: bool  # whether this step ends the known tokens and yields logits
+    num_drafts: int = 0  # of ``new_token_ids``, the trailing drafts the step verifies
 
 
 def build_forward_batch(
@@ -66,7 +67,9 @@ def build_forward_batch(
         [len(f) for f in fields]
     )
     fb = ForwardBatch(
-        phase=ForwardBatch.phase_of(query_lens, [r.num_computed for r in requests]),
+        phase=ForwardBatch.phase_of(
+            query_lens, [r.num_computed for r in requests], [r.num_drafts for r in requests]
+        ),
         input_ids=ids,
         positions=pos,
         query_lens=query_lens,

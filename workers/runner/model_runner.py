@@ -36,13 +36,16 @@ from splitserve.workers.runner.input_batch import (
 )
 from splitserve.workers.runner.step_plan import plan_forward
 from splitserve.workers.sampling.sampler import SampledTokens, Sampler, TokenLogprobs
+from splitserve.workers.spec_decode.speculator import SpeculativeResult, Speculator
 
 
 @dataclass
 class StepResult:
-    sampled: dict[str, tuple[int, TokenLogprobs | None]]  # request id -> (token, logprobs)
+    # request id -> (tokens, their logprobs): one token, or a verify step's accepted run
+    sampled: dict[str, tuple[list[int], list[TokenLogprobs | None]]]
     num_prefill_tokens: int
     num_decode_tokens: int
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # for the next step (MTP)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class LaunchedStep:
     num_decode_tokens: int
     # Request id -> KV transfer that could not be opened (set by the engine).
     send_errors: dict[str, str] = field(default_factory=dict)
+    speculative: SpeculativeResult | None = None  # a step with the MTP drafter: on the host
 
     def __post_init__(self) -> None:
         self._rows = {r.request_id: i for i, r in enumerate(self.sampling)}
@@ -67,10 +71,14 @@ class LaunchedStep:
     def result(self) -> StepResult:
         """Wait for the step's tokens on the host."""
         sampled = {}
+        if self.speculative is not None:
+            spec = self.speculative
+            sampled = {rid: (run.token_ids, run.logprobs) for rid, run in spec.runs.items()}
+            return StepResult(sampled, self.num_prefill_tokens, self.num_decode_tokens, spec.drafts)
         if self.tokens is not None:
             out = self.tokens.result()
             for r, tok, lp in zip(self.sampling, out.token_ids, out.logprobs):
-                sampled[r.request_id] = (tok, lp)
+                sampled[r.request_id] = ([tok], [lp])
         return StepResult(sampled, self.num_prefill_tokens, self.num_decode_tokens)
 
 
@@ -83,9 +91,12 @@ class ModelRunner:
         sampler: Sampler,
         device: torch.device,
         graph_limits: GraphLimits | None = None,
+        speculator: Speculator | None = None,
     ):
-        """``graph_limits`` (on a CUDA device) turns CUDA graphs on."""
+        """``graph_limits`` (on a CUDA device) turns CUDA graphs on; ``speculator``
+        verifies drafts and proposes the next ones (MTP speculative decoding)."""
         self.model = model
+        self.speculator = speculator
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
         self.sampler = sampler
@@ -143,6 +154,8 @@ class ModelRunner:
         copies); any other is built on the device first.
         """
         steps = [_step_request(r, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)]
+        if self.speculator is not None:
+            return self._launch_speculative(batch, steps, on_layer_stored)
         graphs = self.decode_graphs
         if graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps):
             self.capture_graphs()
@@ -161,6 +174,26 @@ class ModelRunner:
         tokens = self.sampler.sample(logits, sampling) if sampling else None
         decode = fb.num_decode_tokens
         return LaunchedStep(batch, sampling, tokens, fb.num_tokens - decode, decode)
+
+    def _launch_speculative(
+        self,
+        batch: SchedulerOutput,
+        steps: list[StepRequest],
+        on_layer_stored: Callable[[int], None] | None,
+    ) -> LaunchedStep:
+        """A step with the MTP drafter: forward, verify or sample, draft; read back at
+        once (the accepted runs decide where the drafts go)."""
+        fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, self.device, plan=False)
+        fb.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
+        hidden = self.forward(fb)
+        spec = self.speculator.run(fb, hidden, batch.requests, steps)
+        sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
+        decode = sum(
+            len(s.new_token_ids)
+            for s in steps
+            if s.num_computed and len(s.new_token_ids) == 1 + s.num_drafts
+        )
+        return LaunchedStep(batch, sampling, None, fb.num_tokens - decode, decode, speculative=spec)
 
     def forward(self, fb: ForwardBatch, use_graphs: bool = True) -> torch.Tensor:
         """Hidden states of the step's tokens: a graph replay where one fits, else eager."""
@@ -218,6 +251,7 @@ def _step_request(request: Request, num_tokens: int) -> StepRequest:
         num_computed=start,
         block_ids=request.block_ids,
         sample=will_sample(request, num_tokens),
+        num_drafts=max(0, start + num_tokens - request.num_tokens),
     )
 
 

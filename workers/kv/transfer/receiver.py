@@ -96,7 +96,8 @@ class Receiver:
                 if self.transfers.tracer is not None:
                     self.transfers.tracer("arrived", rid, time.perf_counter())
                 top = [tuple(t) for t in header["top_logprobs"]]
-                done = TransferDone(rid, header["first_token"], header["logprob"], top)
+                drafts = list(header.get("draft_token_ids", []))
+                done = TransferDone(rid, header["first_token"], header["logprob"], top, drafts)
                 self.transfers.add_event(TransferEvent(rid, "recv", True, done=done))
         conn.send(ack)
 

@@ -56,6 +56,7 @@ class TransferDone:
     first_token: int
     logprob: float | None = None  # logprobs of the first token, when asked for
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts after the first token
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,101 @@
+"""The MTP drafter: the checkpoint's MTP layer, run ``K`` times in a chain.
+
+The MTP layer at position ``i`` reads the next token ``x[i + 1]`` and the target's
+hidden state ``h[i]``, and predicts ``x[i + 2]``. Its attention has KV layer
+``num_hidden_layers`` in the paged cache, under the request's block table and
+slots, so it is freed with the request's blocks. After each target step:
+
+1. **first pass**: the MTP layer runs over every row of the step (same positions,
+   slots and attention plan as the target), fed the token after each row: the
+   next prompt token, or what the step emitted there (an accepted draft, then the
+   sampled or bonus token). This writes the MTP KV of every position the target
+   computed, and the row of a request's last emitted token gives draft 1;
+2. **chain**: draft ``k`` (``k = 2 .. K``) is the same layer at the next
+   position, fed draft ``k - 1`` and the MTP layer's own hidden state.
+
+The chain writes MTP KV past the last computed position (the scheduler's
+lookahead slots); the next step's first pass overwrites it with KV from the
+target's hidden states. A chained position past the request's block table (only
+near the context length, where the scheduler trims the drafts anyway) stores
+nothing. Drafts are greedy (the MTP head's argmax).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+
+import torch
+from torch import nn
+
+from splitserve.workers.attention.base import AttentionBackend
+from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.runner.forward_batch import ForwardBatch
+from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch, to_device
+
+
+class MTPProposer:
+    def __init__(
+        self,
+        model: nn.Module,
+        num_speculative_tokens: int,
+        kv_cache: KVCache,
+        attn_backend: AttentionBackend,
+    ):
+        if getattr(model, "mtp", None) is None:
+            raise ValueError(
+                "speculative_config method 'mtp' needs the checkpoint's MTP layer, and this "
+                f"model ({type(model).__name__}) has none: a GLM-4.5 checkpoint with "
+                "num_nextn_predict_layers >= 1 and its weights at model.layers.{N}; "
+                "or leave speculative_config out"
+            )
+        self.model = model
+        self.num_speculative_tokens = num_speculative_tokens
+        self.kv_cache = kv_cache
+        self.attn_backend = attn_backend
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        fb: ForwardBatch,
+        hidden: torch.Tensor,
+        next_token_ids: list[int],
+        draft_rows: list[int],
+    ) -> list[list[int]]:
+        """Drafts for the requests whose last emitted token sits at ``draft_rows`` of the
+        step ``fb`` (hidden states ``hidden``); ``next_token_ids``: the token after each
+        row. Returns ``K`` drafts per draft row (waits for the device)."""
+        device = hidden.device
+        ids = to_device(next_token_ids, device)
+        mtp_hidden = self.model.mtp_forward(ids, fb.positions, hidden, fb)
+        if not draft_rows:
+            return []
+        rows = to_device(draft_rows, device)
+        mtp_hidden = mtp_hidden[rows]
+        drafts = [self._greedy(mtp_hidden)]
+        positions = [int(p) for p in fb.positions[rows].tolist()]
+        ends = list(itertools.accumulate(fb.query_lens))
+        blocks = [fb.block_ids[bisect.bisect_right(ends, r)] for r in draft_rows]
+        for _ in range(1, self.num_speculative_tokens):
+            positions = [p + 1 for p in positions]
+            chain = self._chain_batch(positions, blocks, device)
+            chain.input_ids.copy_(drafts[-1])
+            mtp_hidden = self.model.mtp_forward(chain.input_ids, chain.positions, mtp_hidden, chain)
+            drafts.append(self._greedy(mtp_hidden))
+        return torch.stack(drafts, dim=1).tolist()
+
+    def _greedy(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.mtp_compute_logits(mtp_hidden).argmax(dim=-1)
+
+    def _chain_batch(
+        self, positions: list[int], blocks: list[list[int]], device: torch.device
+    ) -> ForwardBatch:
+        """One row a request at ``positions`` (token ids filled in on the device)."""
+        block_size = self.kv_cache.block_size
+        covered = [min(p, len(b) * block_size - 1) for p, b in zip(positions, blocks)]
+        steps = [StepRequest([0], p, b, sample=True) for p, b in zip(covered, blocks)]
+        fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, device)
+        beyond = [i for i, (p, c) in enumerate(zip(positions, covered)) if p != c]
+        if beyond:  # past the block table: attend as the last slot, store nothing
+            fb.slot_mapping[to_device(beyond, device)] = -1
+        return fb

@@ -1,0 +1,178 @@
+"""Verification: the target's logits at a request's ``1 + k`` verify rows against its drafts.
+
+Row ``j`` of a request holds the target's distribution ``p_j`` for the token after
+``[last token, d_1 .. d_j]``. The drafter is greedy, so each draft is a point mass
+(``q = onehot(d)``), and:
+
+- greedy requests accept drafts while each equals the target's argmax; the token
+  after the run is the target's argmax at the first mismatch, or at the last row
+  (the bonus token) when every draft was accepted;
+- sampled requests accept ``d_j`` with probability ``min(1, p_j(d) / q(d)) =
+  p_j(d)``; at the first rejection the token is drawn from ``p_j`` without ``d``
+  (``norm(max(0, p - q))``), after ``k`` acceptances from ``p_k`` (the bonus).
+  Each emitted token is then distributed exactly as the target's ``p``.
+
+``p`` is what the sampler would draw from: ``min_tokens`` masks (counting the
+drafts before the row), temperature, top-k, top-p and min-p. Requests whose
+sampling reads their output tokens (penalties, bad words) are not drafted for
+(``drafts_allowed``); the plain sampler serves them.
+
+Randomness: every step a request draws ``k`` uniforms and one vocabulary row of
+Exp(1) noise from ``Sampler.generator`` (its own when seeded), whatever it
+accepts, so a seeded request's tokens do not depend on the batch. The drawn token
+is ``argmax(residual / noise)`` (the sampler's exponential race).
+
+Logprobs: of each emitted token under the raw target distribution at its row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.scheduler.request import Request
+from splitserve.workers.runner.input_batch import to_device
+from splitserve.workers.sampling.sampler import Sampler, TokenLogprobs, filter_logits
+
+
+@dataclass
+class VerifiedRun:
+    """What one request emits in a verify step: its accepted drafts, then one more token."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1
+
+
+def drafts_allowed(request: Request) -> bool:
+    """Whether the request may verify drafts (its sampling reads no output tokens)."""
+    return not request.sampling_params.reads_output_tokens
+
+
+class RejectionSampler:
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler  # its random generators
+
+    def verify(
+        self, logits: torch.Tensor, drafts: list[list[int]], requests: list[Request]
+    ) -> list[VerifiedRun]:
+        """``logits``: ``[sum(1 + len(d)), V]``, request ``i``'s rows in a run. Waits for
+        the device (the accepted counts decide the rest of the step)."""
+        counts = [len(d) + 1 for d in drafts]
+        assert logits.shape[0] == sum(counts), (logits.shape, counts)
+        device = logits.device
+        draft_rows = [t for d in drafts for t in (*d, -1)]  # -1: the bonus row has no draft
+        draft_ids = to_device(draft_rows, device)
+        x = logits.to(torch.float32, copy=True)
+        _apply_min_tokens(x, requests, counts)
+        candidate = x.argmax(dim=-1)
+        accepted = candidate == draft_ids
+        sampled = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if sampled:
+            rows = _rows_of(sampled, counts)
+            index = to_device(rows, device)
+            accept, draw = self._rejection(
+                x[index],
+                draft_ids[index],
+                [requests[i] for i in sampled],
+                [counts[i] for i in sampled],
+            )
+            accepted[index], candidate[index] = accept, draw
+        accepted_host, candidate_host = accepted.tolist(), candidate.tolist()
+        runs, start = [], 0
+        for d, n in zip(drafts, counts):
+            a = 0
+            while a < len(d) and accepted_host[start + a]:
+                a += 1
+            runs.append(VerifiedRun([*d[:a], candidate_host[start + a]], []))
+            start += n
+        self._logprobs(logits, runs, requests, counts)
+        return runs
+
+    def _rejection(
+        self,
+        x: torch.Tensor,  # [rows, V] float32 logits of the sampled requests
+        draft_ids: torch.Tensor,  # [rows], -1 on bonus rows
+        requests: list[Request],
+        counts: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: whether its draft is accepted, and the token drawn were it the last."""
+        device, vocab = x.device, x.shape[1]
+        params = [r.sampling_params for r in requests]
+        per_row = lambda values: torch.tensor(  # noqa: E731
+            [v for v, n in zip(values, counts) for _ in range(n)]
+        )
+        temperature = per_row([p.temperature for p in params]).to(device, non_blocking=True)
+        top_k, top_p, min_p = (
+            per_row([getattr(p, key) for p in params]) for key in ("top_k", "top_p", "min_p")
+        )
+        probs = filter_logits(x / temperature[:, None], top_k, top_p, min_p).softmax(dim=-1)
+        uniform = torch.empty(x.shape[0], device=device)
+        noise = torch.empty(x.shape[0], vocab, device=device)
+        start = 0
+        for r, n in zip(requests, counts):
+            gen = self.sampler.generator(r, device, vocab)
+            uniform[start : start + n].uniform_(generator=gen)
+            noise[start].exponential_(generator=gen)
+            noise[start + 1 : start + n] = noise[start]  # one draw, whichever row ends the run
+            start += n
+        has_draft = draft_ids >= 0
+        safe_ids = draft_ids.clamp(min=0)[:, None]
+        p_draft = probs.gather(1, safe_ids)[:, 0].masked_fill(~has_draft, 0.0)
+        accept = uniform < p_draft
+        residual = torch.where(has_draft[:, None], probs.scatter(1, safe_ids, 0.0), probs)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return accept, residual.div_(noise).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, runs: list[VerifiedRun], requests: list[Request], counts: list[int]
+    ) -> None:
+        """Fill each run's logprobs (None entries for requests that did not ask)."""
+        rows, tokens, owners = [], [], []
+        start = 0
+        for i, (run, r, n) in enumerate(zip(runs, requests, counts)):
+            run.logprobs = [None] * len(run.token_ids)
+            if r.sampling_params.logprobs is not None:
+                rows += range(start, start + len(run.token_ids))
+                tokens += run.token_ids
+                owners += [(i, j) for j in range(len(run.token_ids))]
+            start += n
+        if not rows:
+            return
+        device = logits.device
+        logprobs = torch.log_softmax(logits[to_device(rows, device)].float(), dim=-1)
+        chosen = logprobs.gather(1, to_device(tokens, device)[:, None])[:, 0].tolist()
+        n_top = min(max(requests[i].sampling_params.logprobs for i, _ in owners), logprobs.shape[1])
+        top_values, top_ids = (t.tolist() for t in logprobs.topk(n_top, dim=-1))
+        for (i, j), token, lp, values, ids in zip(owners, tokens, chosen, top_values, top_ids):
+            k = requests[i].sampling_params.logprobs
+            runs[i].logprobs[j] = TokenLogprobs(token, lp, list(zip(ids[:k], values[:k])))
+
+
+def _rows_of(indices: list[int], counts: list[int]) -> list[int]:
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    return [row for i in indices for row in range(starts[i], starts[i + 1])]
+
+
+def _apply_min_tokens(x: torch.Tensor, requests: list[Request], counts: list[int]) -> None:
+    """Ban EOS and stop ids on the rows whose token would come before ``min_tokens``
+    (row ``j`` emits output token ``num_output_tokens + j + 1``)."""
+    rows, cols, start = [], [], 0
+    for r, n in zip(requests, counts):
+        p = r.sampling_params
+        banned = [t for t in {*r.eos_token_ids, *p.stop_token_ids} if t < x.shape[1]]
+        for j in range(n):
+            if r.num_output_tokens + j < p.min_tokens:
+                rows += [start + j] * len(banned)
+                cols += banned
+        start += n
+    if rows:
+        index = (to_device(rows, x.device), to_device(cols, x.device))
+        x.index_put_(index, torch.tensor(float("-inf"), device=x.device))

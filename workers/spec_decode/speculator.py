@@ -1,0 +1,114 @@
+"""One speculative step after the target's forward: verify, then draft the next tokens.
+
+A request that samples in the step either verifies drafts (its last ``1 + k``
+rows; ``RejectionSampler``) or samples one token as usual (``Sampler``: a prompt's
+first token, or a request that may not be drafted for). Then the MTP drafter
+(``MTPProposer``) runs over the step's rows and drafts for every sampling request
+that may be drafted for; the scheduler trims the drafts to what the next step can
+verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.scheduler.request import Request
+from splitserve.workers.runner.forward_batch import ForwardBatch
+from splitserve.workers.runner.input_batch import StepRequest, to_device
+from splitserve.workers.sampling.sampler import Sampler
+from splitserve.workers.spec_decode.mtp_proposer import MTPProposer
+from splitserve.workers.spec_decode.rejection_sampler import (
+    RejectionSampler,
+    VerifiedRun,
+    drafts_allowed,
+)
+
+
+@dataclass
+class SpeculativeResult:
+    """The host side of a speculative step, per sampling request id."""
+
+    runs: dict[str, VerifiedRun] = field(default_factory=dict)  # the tokens emitted
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # for the next step
+
+
+class Speculator:
+    def __init__(self, model, proposer: MTPProposer, sampler: Sampler):
+        self.model = model
+        self.proposer = proposer
+        self.sampler = sampler
+        self.rejection_sampler = RejectionSampler(sampler)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.proposer.num_speculative_tokens
+
+    def run(
+        self,
+        fb: ForwardBatch,
+        hidden: torch.Tensor,
+        requests: list[Request],
+        steps: list[StepRequest],
+    ) -> SpeculativeResult:
+        """Verify or sample, then draft; waits for the device."""
+        starts = [0]
+        for s in steps:
+            starts.append(starts[-1] + len(s.new_token_ids))
+        sampling = [i for i, s in enumerate(steps) if s.sample]
+        runs = self._emit(hidden, requests, steps, starts, sampling)
+        next_ids: list[int] = []
+        draft_rows, drafted = [], []
+        for i, (request, step) in enumerate(zip(requests, steps)):
+            ids = step.new_token_ids
+            following = ids[1:] + [0]
+            if i in runs:
+                base = len(ids) - 1 - step.num_drafts
+                emitted = runs[i].token_ids
+                following[base : base + len(emitted)] = emitted
+                if drafts_allowed(request):
+                    draft_rows.append(starts[i] + base + len(emitted) - 1)
+                    drafted.append(request.request_id)
+            else:  # a prompt chunk: the next prompt token follows it
+                end = step.num_computed + len(ids)
+                following[-1] = request.token_ids_between(end, end + 1)[0]
+            next_ids += following
+        drafts = self.proposer.propose(fb, hidden, next_ids, draft_rows)
+        return SpeculativeResult(
+            runs={requests[i].request_id: run for i, run in runs.items()},
+            drafts=dict(zip(drafted, drafts)),
+        )
+
+    def _emit(
+        self,
+        hidden: torch.Tensor,
+        requests: list[Request],
+        steps: list[StepRequest],
+        starts: list[int],
+        sampling: list[int],
+    ) -> dict[int, VerifiedRun]:
+        """Per sampling request (by index): the tokens it emits this step."""
+        device = hidden.device
+        plain = [i for i in sampling if steps[i].num_drafts == 0]
+        verifying = [i for i in sampling if steps[i].num_drafts > 0]
+        runs: dict[int, VerifiedRun] = {}
+        if plain:
+            rows = to_device([starts[i + 1] - 1 for i in plain], device)
+            logits = self.model.compute_logits(hidden[rows])
+            out = self.sampler.sample(logits, [requests[i] for i in plain]).result()
+            for i, token, lp in zip(plain, out.token_ids, out.logprobs):
+                runs[i] = VerifiedRun([token], [lp])
+        if verifying:
+            rows = [
+                r
+                for i in verifying
+                for r in range(starts[i + 1] - 1 - steps[i].num_drafts, starts[i + 1])
+            ]
+            logits = self.model.compute_logits(hidden[to_device(rows, device)])
+            drafts = [steps[i].new_token_ids[1:] for i in verifying]
+            verified = self.rejection_sampler.verify(
+                logits, drafts, [requests[i] for i in verifying]
+            )
+            runs.update(zip(verifying, verified))
+        return dict(sorted(runs.items()))
