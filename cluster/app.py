@@ -1,7 +1,12 @@
-"""Build the Ray Serve application: the ingress and one deployment per worker pool."""
+"""Build the Ray Serve application: the ingress and one deployment per worker pool.
+
+The application's secret, made here, goes to the ingress and every worker: an
+engine process takes connections only from fronts that present it.
+"""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import asdict
 
 from ray import serve
@@ -16,14 +21,22 @@ from splitserve.cluster.worker_deployment import EngineWorker
 
 def build_app(config: ServeConfig) -> serve.Application:
     engine = _engine_dict(config)
+    secret = secrets.token_hex(16)
     pools = {}
     for name in POOLS:
         pool = config.pools[name]
         if pool.active:
             deployment = pool_deployment(name, pool, config)
-            pools[name] = deployment.bind(name, engine, config.stats_period_s, config.app_name)
+            pools[name] = deployment.bind(
+                name,
+                engine,
+                config.stats_period_s,
+                config.app_name,
+                secret,
+                pool.max_ongoing_requests,
+            )
     return ingress_deployment(config).bind(
-        config.to_dict(), pools.get("prefill"), pools.get("decode"), pools.get("mixed")
+        config.to_dict(), secret, pools.get("prefill"), pools.get("decode"), pools.get("mixed")
     )
 
 
@@ -54,17 +67,10 @@ def pool_deployment(name: str, pool: PoolConfig, config: ServeConfig) -> serve.D
     options = dict(
         name=name,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": gpus},
-        max_ongoing_requests=pool.max_ongoing_requests,
-        max_queued_requests=pool.max_queued_requests,
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
-        request_router_config=RequestRouterConfig(
-            request_router_class=PoolRequestRouter,
-            request_router_kwargs={"pool": name, "router": asdict(config.router)},
-            request_routing_stats_period_s=config.stats_period_s,
-            request_routing_stats_timeout_s=5.0,
-        ),
+        request_router_config=RequestRouterConfig(request_router_class=PoolRequestRouter),
     )
     if pool.autoscaling:
         options["autoscaling_config"] = AutoscalingConfig(

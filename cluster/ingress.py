@@ -1,17 +1,22 @@
 """The OpenAI-compatible HTTP ingress: validate, tokenize, route, stream.
 
-One request's path through the pools (``cluster.routing`` picks the route):
+The ingress talks to the workers' engine processes directly, one connection
+each (``cluster/worker_directory.py`` keeps them and ranks them by load), so a
+token travels engine -> ingress -> client with no Ray call in between and one
+frame per engine step. One request's path (``cluster.routing`` picks the route):
 
-- local: one streaming ``generate`` call on a mixed or decode worker.
-- disaggregated: a streaming ``generate(remote=True)`` on a decode worker,
-  which reserves blocks and yields a KV ticket (or decides to compute a
-  prefix-cache hit itself); then ``prefill(ticket)`` on a prefill worker,
-  which streams the KV to the decode worker and returns once it is acked.
-  If the prefill fails, the decode call is cancelled (its blocks are freed).
+- local: one ``GenerateCall`` to a mixed or decode worker's engine.
+- disaggregated: a ``GenerateCall(remote=True)`` to a decode worker, which
+  reserves blocks and answers with a KV ticket (or decides to compute a
+  prefix-cache hit itself); then the call with the ticket to a prefill worker,
+  which streams the KV to the decode worker and ends once it is acked. If the
+  prefill fails, the decode side's stream ends with the cause (its blocks are freed).
 
-A worker failure before the first token is retried once on a fresh pair; after
-it, the request ends with an error. A client that goes away cancels both
-calls, so both workers free the request's KV blocks.
+A worker failure before the first token is retried once on a fresh pair,
+without the worker that failed; after it, the request ends with an error. A
+client that goes away aborts the request on both workers, so both free its KV
+blocks. Every worker of a pool at its limit: the request waits (up to the pool's
+``max_queued_requests``), then 503.
 """
 
 import asyncio
@@ -25,7 +30,6 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 
 from splitserve.cluster import routing
 from splitserve.cluster.metrics import INGRESS, ServingMetrics
@@ -44,7 +48,8 @@ from splitserve.cluster.openai_api import (
 )
 from splitserve.cluster.serve_config import ServeConfig
 from splitserve.cluster.stats_board import get_or_create_board
-from splitserve.cluster.worker_calls import WorkerFailed, guard, watch_prefill
+from splitserve.cluster.worker_calls import WorkerBusy, WorkerFailed, guard, watch_prefill
+from splitserve.cluster.worker_directory import NoWorker, PoolOverloaded, WorkerDirectory
 from splitserve.sampling_params import SamplingParams
 from splitserve.workers.engine.messages import Delta, GenerateCall, Routed, TicketIssued
 from splitserve.workers.model.loader import load_hf_config
@@ -54,13 +59,16 @@ from splitserve.workers.output.request_output import RequestOutput
 logger = logging.getLogger(__name__)
 app = FastAPI(title="splitserve")
 
-MAX_ATTEMPTS = 2
+MAX_ATTEMPTS = 2  # a worker failure before the first token is retried once
+MAX_BUSY_RETRIES = 16  # workers answering Overloaded (their load reports lagged)
 
 
 @serve.deployment(name="ingress")  # replicas and limits: ``ingress_deployment`` in app.py
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, config: dict, prefill=None, decode=None, mixed=None):
+    def __init__(self, config: dict, secret: str, prefill=None, decode=None, mixed=None):
+        """``prefill``/``decode``/``mixed``: the pools' deployments (None: not deployed);
+        ``secret``: what the workers' engines ask of a connection."""
         self.config = ServeConfig.from_dict(config)
         hf_config, path = load_hf_config(self.config.engine.model)
         self.tokenizer = load_tokenizer(path) if path is not None else tiny_tokenizer()
@@ -73,7 +81,11 @@ class OpenAIIngress:
         self.replica_id = f"{INGRESS}-{context.replica_id.unique_id}"
         self.board = get_or_create_board(context.app_name)
         self.created = int(time.time())
-        self._poster = asyncio.get_event_loop().create_task(self._post_metrics())
+        pools = {name: self.config.pools[name] for name, h in self.pools.items() if h is not None}
+        self.workers = WorkerDirectory(self.board, secret, pools, self.config.router)
+        loop = asyncio.get_event_loop()
+        self._poster = loop.create_task(self._post_metrics())
+        self._watcher = loop.create_task(self.workers.run(self.config.stats_period_s))
 
     # ---- endpoints ----------------------------------------------------------
 
@@ -188,12 +200,12 @@ class OpenAIIngress:
         )
         start = last = time.monotonic()
         num_tokens, outcome = 0, "cancelled"
-        routes = [route]
+        routes, failed = [route], set()
         try:
             for attempt in range(MAX_ATTEMPTS):
                 rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
                 try:
-                    async for output in self._attempt(routes, rid, prompt_ids, params):
+                    async for output in self._attempt(routes, rid, prompt_ids, params, failed):
                         now = time.monotonic()
                         n = len(output.new_token_ids)
                         if n and num_tokens == 0:
@@ -210,7 +222,7 @@ class OpenAIIngress:
                         outcome = "error"
                         raise OpenAIError(500, str(e), "server_error") from e
                     logger.warning("request %s: %s; retrying", request_id, e)
-                except BackPressureError as e:
+                except (PoolOverloaded, NoWorker) as e:
                     outcome = "error"
                     raise overloaded(f"the {routes[-1]} route is overloaded: {e}") from e
                 except OpenAIError:
@@ -219,39 +231,69 @@ class OpenAIIngress:
         finally:
             self.metrics.requests.labels(routes[-1], outcome).inc()
 
-    def _attempt(self, routes: list[str], rid, prompt_ids, params) -> AsyncIterator:
-        """One try along the first route; the decode worker may append the route it took."""
+    async def _attempt(self, routes, rid, prompt_ids, params, failed: set[str]) -> AsyncIterator:
+        """One try along the first route; the decode worker may append the route it took.
+        ``failed``: the workers that failed this request, to leave out (names added here)."""
         call = GenerateCall(rid, prompt_ids, params)
-        if routes[0] == routing.DISAGGREGATED:
-            return self._disaggregated(call, routes)
-        return self._local("mixed" if routes[0] == routing.LOCAL_MIXED else "decode", call)
+        for _ in range(MAX_BUSY_RETRIES):
+            busy: set[str] = set()
+            try:
+                if routes[0] == routing.DISAGGREGATED:
+                    stream = self._disaggregated(call, routes, failed, busy)
+                else:
+                    pool = "mixed" if routes[0] == routing.LOCAL_MIXED else "decode"
+                    stream = self._local(pool, call, failed, busy)
+                async for output in stream:
+                    yield output
+                return
+            except WorkerBusy as e:  # nothing was computed: pick again
+                logger.info("request %s: %s", rid, e)
+        raise PoolOverloaded(f"{MAX_BUSY_RETRIES} workers in turn answered busy")
 
-    async def _local(self, pool: str, call: GenerateCall) -> AsyncIterator[RequestOutput]:
-        stream = self.pools[pool].options(stream=True).generate.remote(call)
+    async def _local(self, pool: str, call: GenerateCall, failed, busy) -> AsyncIterator:
+        worker = await self.workers.acquire(pool, exclude=failed | busy)
+        stream = worker.generate(call)
         try:
-            async for event in guard(stream, f"{pool} worker"):
+            async for event in guard(stream, worker.name):
                 if isinstance(event, Delta):
                     yield event.to_output()
+        except WorkerBusy:
+            busy.add(worker.name)
+            raise
+        except WorkerFailed:
+            failed.add(worker.name)
+            raise
         finally:
-            stream.cancel()
+            await stream.aclose()  # not finished: aborts it on the engine
 
-    async def _disaggregated(self, call: GenerateCall, routes: list[str]) -> AsyncIterator:
+    async def _disaggregated(self, call: GenerateCall, routes: list[str], failed, busy):
+        decode = await self.workers.acquire("decode", exclude=failed | busy)
         ratio = self.config.router.local_prefix_hit_ratio
-        remote = dataclasses.replace(call, remote=True, local_prefix_ratio=ratio)
-        decode = self.pools["decode"].options(stream=True).generate.remote(remote)
-        prefill_call, watcher, failure = None, None, []
+        stream = decode.generate(dataclasses.replace(call, remote=True, local_prefix_ratio=ratio))
+        prefill, prefill_task = None, None
         try:
-            async for event in guard(decode, "decode worker", failure):
+            async for event in guard(stream, decode.name):
                 if isinstance(event, Routed):
                     routes.append(event.route)
                 elif isinstance(event, TicketIssued):
-                    prefill = dataclasses.replace(call, kv_ticket=event.ticket)
-                    prefill_call = self.pools["prefill"].prefill.remote(prefill)
-                    watcher = asyncio.ensure_future(watch_prefill(prefill_call, decode, failure))
+                    prefill = await self.workers.acquire("prefill", exclude=failed)
+                    prefill_call = dataclasses.replace(call, kv_ticket=event.ticket)
+                    prefill_task = asyncio.ensure_future(
+                        watch_prefill(prefill, prefill_call, decode, call.request_id)
+                    )
                 elif isinstance(event, Delta):
                     yield event.to_output()
+        except WorkerBusy:
+            busy.add(decode.name)
+            raise
+        except WorkerFailed:
+            prefill_failed = prefill_task is not None and prefill_task.done()
+            if prefill_failed and not prefill_task.cancelled() and prefill_task.result():
+                failed.add(prefill.name)
+            else:
+                failed.add(decode.name)
+            raise
         finally:
-            decode.cancel()
-            if prefill_call is not None:
-                prefill_call.cancel()
-                watcher.cancel()
+            await stream.aclose()  # not finished: aborts it on the engine
+            if prefill_task is not None:
+                prefill_task.cancel()

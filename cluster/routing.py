@@ -56,9 +56,15 @@ class WorkerLoad:
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_for_kv: int = 0
+    num_sending_kv: int = 0
     num_free_blocks: int = 0
     num_blocks: int = 1
     kv_usage: float = 0.0
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the worker holds, in any state."""
+        return self.num_running + self.num_waiting + self.num_waiting_for_kv + self.num_sending_kv
 
     @classmethod
     def from_stats(cls, stats: dict | None) -> WorkerLoad:

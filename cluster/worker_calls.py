@@ -1,17 +1,24 @@
-"""Calls from the ingress into the worker pools, with failures made explicit."""
+"""Calls from the ingress into the worker pools' engines, with failures made explicit.
+
+A worker's stream (``EngineConnection.generate``) yields lists of events; ``guard``
+turns them into single events with each run of deltas merged, and its bad ends
+into exceptions: ``Rejected`` is the ingress's 400, ``Overloaded`` ``WorkerBusy``
+(another worker may take it), ``Failed`` or an error delta ``WorkerFailed``
+(retried when no token was sent yet).
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import RequestCancelledError
-
 from splitserve.cluster.openai_api import invalid_request
+from splitserve.workers.engine.engine_connection import EngineConnection
 from splitserve.workers.engine.messages import (
     Delta,
     Event,
     Failed,
+    GenerateCall,
+    Overloaded,
     Rejected,
     merge_deltas,
 )
@@ -21,40 +28,42 @@ class WorkerFailed(Exception):
     """A worker died or a hand-off failed: retried when no token was sent yet."""
 
 
-async def watch_prefill(call, decode_call, failure: list[str]) -> None:
-    """Cancel the decode side when the prefill side fails (its blocks are freed)."""
+class WorkerBusy(Exception):
+    """The worker holds its limit of requests (its load report lagged): try another."""
+
+
+async def watch_prefill(
+    prefill: EngineConnection, call: GenerateCall, decode: EngineConnection, rid: str
+) -> str | None:
+    """Run the prefill side of a disaggregated request: it ends once the decode worker
+    has the KV. If it fails instead, the decode side's stream ends with the cause (its
+    leaving aborts the request there, so its blocks return); returns the error."""
+    last: Event | None = None
     try:
-        last = await call
-    except RequestCancelledError:
-        return
-    except (RayActorError, RayTaskError) as e:
-        last = Failed("", f"the prefill worker failed: {e}")
-    error = _error_of(last)
+        async for events in prefill.generate(call):
+            last = events[-1]
+        error = _error_of(last) if last is not None else "the prefill ended without a result"
+    except ConnectionError as e:  # its connection was already gone
+        error = str(e)
     if error is not None:
-        failure.append(error)
-        decode_call.cancel()
+        decode.fail(rid, f"the {prefill.name} failed: {error}")
+    return error
 
 
-async def guard(call, who: str, failure: list[str] | None = None) -> AsyncIterator[Event]:
-    """A worker's stream of event lists as single events, consecutive deltas merged;
-    a rejection raises the ingress's 400, a worker's death or failure ``WorkerFailed``."""
-    try:
-        async for events in call:
-            for event in _coalesced(events):
-                if isinstance(event, Rejected):
-                    raise invalid_request(event.message)
-                if isinstance(event, Failed):
-                    raise WorkerFailed(f"the {who} failed: {event.message}")
-                error = _error_of(event)
-                if error is not None:
-                    raise WorkerFailed(error)
-                yield event
-    except RequestCancelledError as e:
-        if failure:
-            raise WorkerFailed(failure[0]) from e
-        raise
-    except (RayActorError, RayTaskError) as e:
-        raise WorkerFailed(f"the {who} failed: {type(e).__name__}: {e}") from e
+async def guard(stream: AsyncIterator[list[Event]], who: str) -> AsyncIterator[Event]:
+    """A worker's stream of event lists as single events, consecutive deltas merged."""
+    async for events in stream:
+        for event in _coalesced(events):
+            if isinstance(event, Rejected):
+                raise invalid_request(event.message)
+            if isinstance(event, Overloaded):
+                raise WorkerBusy(f"the {who} is busy: {event.message}")
+            error = _error_of(event)
+            if error is not None:
+                raise WorkerFailed(
+                    error if isinstance(event, Failed) else f"the {who} failed: {error}"
+                )
+            yield event
 
 
 def _coalesced(events: list[Event]) -> list[Event]:
@@ -75,9 +84,7 @@ def _coalesced(events: list[Event]) -> list[Event]:
 
 
 def _error_of(event: Event) -> str | None:
-    if isinstance(event, Failed):
-        return event.message
-    if isinstance(event, Rejected):
+    if isinstance(event, Failed | Rejected | Overloaded):
         return event.message
     if isinstance(event, Delta):
         return event.error

@@ -1,47 +1,46 @@
 """A worker replica of one pool (prefill, decode or mixed): an engine behind Ray Serve.
 
-The replica is an asyncio front; its engine runs in a process of its own
-(``workers/engine/engine_client.py``), so the replica's event loop never waits
-on the model and the engine never waits on the replica. Calls and events are
-the typed messages of ``workers/engine/messages.py``:
+Ray Serve places, scales, health-checks and replaces the replica; the engine runs
+in a process of its own (``workers/engine/engine_client.py``) that owns the device.
+Requests do not pass through the replica: ingress replicas connect to the engine
+process's address (posted on the stats board with the replica's load) and stream
+from it directly. The replica keeps the engine's control side:
 
-- ``generate(GenerateCall)`` (streaming): yields lists of the request's events
-  (``Routed``, ``TicketIssued``, ``Delta``, ``Rejected``, ``Failed``), as many
-  as piled up since the last item, so a slow consumer takes several steps at
-  once instead of one Ray item per token.
-- ``prefill(GenerateCall with kv_ticket)``: returns the request's last event
-  once the decode worker has the KV (a ``Delta`` finished "transferred"), or
-  why not (``Rejected``, ``Failed``, a ``Delta`` with an error).
-- ``nccl_join(NcclJoinCall)``: the decode side of a prefill worker's rendezvous.
-
-Each replica posts its load to the stats board and reports it to Ray Serve
-for routing (``record_routing_stats``) and autoscaling
-(``record_autoscaling_stats``).
+- ``nccl_join(NcclJoinCall)``: the decode side of a prefill worker's rendezvous
+  (a prefill engine asks its replica, which calls the decode replica named in the
+  ticket through Ray Serve).
+- its load, posted to the stats board (routing, ``/metrics``) and reported to Ray
+  Serve for autoscaling (``record_autoscaling_stats``);
+- ``check_health``: unhealthy once the engine process is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 
 import ray
 from ray import serve
 
 from splitserve.config import EngineConfig
 from splitserve.workers.engine.engine_client import EngineClient
-from splitserve.workers.engine.messages import (
-    Event,
-    Failed,
-    GenerateCall,
-    NcclJoinCall,
-)
+from splitserve.workers.engine.messages import NcclJoinCall
 
 logger = logging.getLogger(__name__)
 
 
 class EngineWorker:
-    def __init__(self, pool: str, engine_config: dict, stats_period_s: float, namespace: str):
+    def __init__(
+        self,
+        pool: str,
+        engine_config: dict,
+        stats_period_s: float,
+        namespace: str,
+        secret: str,
+        max_requests: int,
+    ):
+        """``secret``: what an ingress's connection must present; ``max_requests``: open
+        requests beyond this are answered ``Overloaded`` (the pool's max_ongoing_requests)."""
         from splitserve.cluster.stats_board import get_or_create_board
 
         self.pool = pool
@@ -53,28 +52,21 @@ class EngineWorker:
         if pool == "prefill" and config.kv_transfer.transport != "cpu":
             rendezvous = _nccl_rendezvous(serve.get_replica_context().app_name)
         owner = self.worker_id if pool != "mixed" else ""
-        self.engine = EngineClient(config, owner=owner, rendezvous=rendezvous)
+        self.engine = EngineClient(
+            config,
+            owner=owner,
+            rendezvous=rendezvous,
+            front_host=config.kv_transfer.host,
+            secret=secret,
+            max_requests=max_requests,
+        )
         self._board = get_or_create_board(namespace)
         self._stats_period_s = stats_period_s
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
-        async for events in self.engine.generate(call):
-            yield events
-
-    async def prefill(self, call: GenerateCall) -> Event:
-        async for events in self.engine.generate(call):
-            last = events[-1]
-            if getattr(last, "finished", True):
-                return last
-        return Failed(call.request_id, "the prefill ended without a result")
-
     async def nccl_join(self, call: NcclJoinCall) -> bool:
         self.engine.join(call.pair_key, call.unique_id)
         return True
-
-    def record_routing_stats(self) -> dict:
-        return self.engine.stats.as_dict()
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         s = self.engine.stats

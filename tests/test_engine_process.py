@@ -1,6 +1,8 @@
-"""The engine process boundary: a replica's ``EngineClient`` and its engine process.
+"""The engine process boundary: a replica's ``EngineClient``, its engine process, and a
+front's ``EngineConnection`` to it.
 
-Real processes: the client starts ``core_process`` and talks msgpack frames to it.
+Real processes and sockets: the client starts ``core_process``; fronts connect over TCP
+and talk msgpack frames to it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ from splitserve.config import EngineConfig
 from splitserve.sampling_params import SamplingParams
 from splitserve.workers.engine import messages
 from splitserve.workers.engine.engine_client import EngineClient, EngineStartError
+from splitserve.workers.engine.engine_connection import EngineConnection
 from splitserve.workers.engine.llm_engine import LLMEngine
 from splitserve.workers.engine.messages import (
+    Abort,
     Delta,
     Failed,
     GenerateCall,
+    Overloaded,
     Rejected,
     StepEvents,
     TicketIssued,
@@ -38,18 +43,23 @@ CONFIG = {
     "scheduler": {"max_model_len": 512, "max_num_seqs": 16},
 }
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SECRET = "s3cret"
 
 
 @pytest.fixture(scope="module")
 def client():
-    c = EngineClient(EngineConfig.from_dict(CONFIG))
+    c = EngineClient(EngineConfig.from_dict(CONFIG), secret=SECRET, max_requests=8)
     yield c
     c.shutdown()
 
 
-async def _collect(client: EngineClient, call: GenerateCall) -> tuple[list[int], int]:
+def _front(client: EngineClient, secret: str = SECRET):
+    return EngineConnection.open(client.address, secret, "the test's engine")
+
+
+async def _collect(front: EngineConnection, call: GenerateCall) -> tuple[list[int], int]:
     tokens, items = [], 0
-    async for events in client.generate(call):
+    async for events in front.generate(call):
         items += 1
         for event in events:
             assert isinstance(event, Delta), event
@@ -61,8 +71,11 @@ def test_served_tokens_equal_the_engine_in_process(client):
     prompts = [[1 + i, 7, 42, 9 + i] * (i + 1) for i in range(6)]
 
     async def run():
+        front = await _front(client)
         calls = [GenerateCall(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
-        return await asyncio.gather(*[_collect(client, c) for c in calls])
+        served = await asyncio.gather(*[_collect(front, c) for c in calls])
+        front.close()
+        return served
 
     served = asyncio.run(run())
     engine = LLMEngine(EngineConfig.from_dict(CONFIG))
@@ -81,9 +94,11 @@ def test_served_tokens_equal_the_engine_in_process(client):
 
 def test_an_invalid_request_is_rejected_and_the_engine_goes_on(client):
     async def run():
+        front = await _front(client)
         bad = GenerateCall("bad", [10**9], GREEDY)  # a token id beyond the vocabulary
-        events = [e async for batch in client.generate(bad) for e in batch]
-        good = await _collect(client, GenerateCall("good", [5, 6, 7], GREEDY))
+        events = [e async for batch in front.generate(bad) for e in batch]
+        good = await _collect(front, GenerateCall("good", [5, 6, 7], GREEDY))
+        front.close()
         return events, good
 
     events, (tokens, _) = asyncio.run(run())
@@ -92,18 +107,86 @@ def test_an_invalid_request_is_rejected_and_the_engine_goes_on(client):
     assert len(tokens) == GREEDY.max_tokens and client.alive
 
 
-def test_leaving_a_stream_aborts_its_request_and_frees_its_blocks(client):
-    async def run():
-        call = GenerateCall("left", [3] * 40, SamplingParams(max_tokens=400, ignore_eos=True))
-        async for _ in client.generate(call):
-            break  # the caller leaves after the first step's events
-
-    asyncio.run(run())
+def _wait_all_blocks_free(client: EngineClient) -> None:
     deadline = time.monotonic() + 5
-    while client.stats.num_free_blocks != client.stats.num_blocks:
+    while client.stats.num_free_blocks != client.stats.num_blocks or client.stats.num_running:
         assert time.monotonic() < deadline, client.stats
         time.sleep(0.05)
-    assert client.stats.num_running == 0
+
+
+LONG = SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+def test_leaving_a_stream_aborts_its_request_and_frees_its_blocks(client):
+    async def run():
+        front = await _front(client)
+        async for _ in front.generate(GenerateCall("left", [3] * 40, LONG)):
+            break  # the caller leaves after the first step's events
+        await asyncio.sleep(0.2)  # the abort is written before the connection closes
+        front.close()
+
+    asyncio.run(run())
+    _wait_all_blocks_free(client)
+
+
+def test_a_closed_connection_aborts_its_requests_and_frees_their_blocks(client):
+    async def run():
+        front = await _front(client)
+        streams = [front.generate(GenerateCall(f"c{i}", [3] * 40, LONG)) for i in range(3)]
+        for s in streams:
+            await s.__anext__()  # every request is running
+        front._writer.transport.abort()  # as a front that died: no Abort is sent
+
+    asyncio.run(run())
+    _wait_all_blocks_free(client)
+
+
+def test_a_front_aborts_only_its_own_requests(client):
+    async def run():
+        owner, stranger = await _front(client), await _front(client)
+        stranger._send(Abort("mine"))
+        tokens, _ = await _collect(owner, GenerateCall("mine", [5, 6], GREEDY))
+        owner.close(), stranger.close()
+        return tokens
+
+    assert len(asyncio.run(run())) == GREEDY.max_tokens
+
+
+def test_beyond_max_requests_a_call_is_overloaded_and_the_others_go_on(client):
+    async def run():
+        front = await _front(client)
+        streams = [front.generate(GenerateCall(f"o{i}", [7, 8], LONG)) for i in range(9)]
+        firsts = [(await s.__anext__())[0] for s in streams]
+        for s in streams:
+            await s.aclose()
+        front.close()
+        return firsts
+
+    firsts = asyncio.run(run())
+    assert [type(e) for e in firsts] == [Delta] * 8 + [Overloaded]
+    assert "holds its 8 requests" in firsts[-1].message
+    _wait_all_blocks_free(client)
+
+
+def test_a_wrong_secret_or_an_oversized_frame_closes_the_connection_only(client):
+    import socket
+    import struct
+
+    async def run():
+        wrong = await _front(client, secret="guess")
+        call = GenerateCall("w", [5], GREEDY)
+        events = [e async for batch in wrong.generate(call) for e in batch]
+        assert isinstance(events[-1], Failed) and not wrong.alive
+        with socket.create_connection(client.address.rsplit(":", 1)) as raw:
+            raw.sendall(messages.framed(messages.encode(messages.Hello(SECRET))))
+            raw.sendall(struct.pack("!i", (1 << 31) - 1))  # announces a 2 GiB frame
+            raw.settimeout(10)
+            while raw.recv(1 << 16):  # its stats came; then it closes, reading none of it
+                pass
+        return await _collect(await _front(client), GenerateCall("after", [5], GREEDY))
+
+    tokens, _ = asyncio.run(run())
+    assert len(tokens) == GREEDY.max_tokens and client.alive
 
 
 def test_a_start_failure_raises_the_engines_own_error():
@@ -116,8 +199,8 @@ def test_a_killed_engine_ends_every_stream_with_an_error():
     client = EngineClient(EngineConfig.from_dict(CONFIG))
 
     async def run():
-        long = SamplingParams(max_tokens=400, ignore_eos=True)
-        streams = [client.generate(GenerateCall(f"k{i}", [4, 5, 6], long)) for i in range(3)]
+        front = await _front(client, secret="")
+        streams = [front.generate(GenerateCall(f"k{i}", [4, 5, 6], LONG)) for i in range(3)]
         first = [await s.__anext__() for s in streams]  # every request is running
         os.kill(client.pid, signal.SIGKILL)
         last = []
@@ -128,8 +211,12 @@ def test_a_killed_engine_ends_every_stream_with_an_error():
 
     try:
         _, last = asyncio.run(asyncio.wait_for(run(), 30))
-        assert all(isinstance(e, Failed) and "exited with code -9" in e.message for e in last)
-        assert not client.alive
+        assert all(isinstance(e, Failed) and "connection" in e.message for e in last)
+        deadline = time.monotonic() + 5
+        while client.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "exited with code -9" in client.error
     finally:
         client.shutdown()
 
@@ -191,9 +278,10 @@ def test_merged_deltas_keep_every_token_in_order():
 
 def test_the_ingress_merges_a_lists_deltas_and_raises_on_rejection_or_failure():
     """``worker_calls.guard``: one worker item (a list of events) becomes its events with
-    each run of deltas merged; ``Rejected`` is the ingress's 400, ``Failed`` WorkerFailed."""
+    each run of deltas merged; ``Rejected`` is the ingress's 400, ``Overloaded``
+    ``WorkerBusy``, ``Failed`` or an error delta ``WorkerFailed``."""
     from splitserve.cluster.openai_api import OpenAIError
-    from splitserve.cluster.worker_calls import WorkerFailed, guard
+    from splitserve.cluster.worker_calls import WorkerBusy, WorkerFailed, guard
     from splitserve.workers.engine.messages import Routed
 
     async def items(*lists):
@@ -201,7 +289,7 @@ def test_the_ingress_merges_a_lists_deltas_and_raises_on_rejection_or_failure():
             yield events
 
     async def take(call):
-        return [e async for e in guard(call, "decode worker")]
+        return [e async for e in guard(call, "decode worker d1")]
 
     a = Delta("r", [1], "a", None, None, None, 0, None)
     b = Delta("r", [2, 3], "bc", None, "length", None, 0, None)
@@ -211,5 +299,10 @@ def test_the_ingress_merges_a_lists_deltas_and_raises_on_rejection_or_failure():
     with pytest.raises(OpenAIError) as rejected:
         asyncio.run(take(items([Rejected("r", "prompt is empty")])))
     assert rejected.value.status == 400 and "prompt is empty" in str(rejected.value)
-    with pytest.raises(WorkerFailed, match="the decode worker failed: gone"):
-        asyncio.run(take(items([a], [Failed("r", "gone")])))
+    with pytest.raises(WorkerBusy, match="the decode worker d1 is busy: holds its 8"):
+        asyncio.run(take(items([Overloaded("r", "holds its 8 requests")])))
+    with pytest.raises(WorkerFailed, match="^the connection to decode worker d1 ended"):
+        asyncio.run(take(items([a], [Failed("r", "the connection to decode worker d1 ended")])))
+    error = Delta("r", [], "", None, "error", None, 0, "KV transfer timed out")
+    with pytest.raises(WorkerFailed, match="the decode worker d1 failed: KV transfer timed out"):
+        asyncio.run(take(items([error])))

@@ -1,23 +1,27 @@
 """The engine process: a worker replica's engine in a process of its own, owning the GPU.
 
 The replica's ``EngineClient`` starts it (``python -m splitserve.workers.engine.core_process
-FD``) and the two talk over one duplex socket of msgpack frames (``messages.py``):
+FD``) and keeps one duplex socket of msgpack frames (``messages.py``) to it, for control:
 
-    replica -> engine   GenerateCall, Abort, JoinPair (NCCL, decode side), RendezvousDone,
-                        Shutdown
-    engine -> replica   Ready or StartFailed (once), StepEvents (one per step),
-                        WorkerStats (every STATS_PERIOD_S), Rendezvous (NCCL, prefill side),
-                        EngineDied (the loop raised; the process exits)
+    replica -> engine   Start (once), JoinPair (NCCL, decode side), RendezvousDone, Shutdown
+    engine -> replica   Ready or StartFailed (once), WorkerStats (every STATS_PERIOD_S),
+                        Rendezvous (NCCL, prefill side), EngineDied (the loop raised)
 
-The main thread runs the engine loop; a reader thread turns frames into commands
-and wakes it. So the engine never waits on the replica's Python, and the replica's
-event loop never waits on the model. When the socket closes (the replica exited
-or died) the process exits: it never outlives its replica.
+Requests do not pass through the replica: fronts (ingress replicas) connect to the
+engine's ``FrontListener`` and send ``GenerateCall`` / ``Abort`` there; each engine
+step sends every front one ``StepEvents`` with its requests' events, and every
+front gets ``WorkerStats`` too. A front may abort only its own requests; when its
+connection closes, its requests are aborted. Beyond ``max_requests`` open requests
+a call is answered ``Overloaded``.
+
+The main thread runs the engine loop; reader threads turn frames into commands and
+wake it. So the engine never waits on any caller's Python, and no caller's event
+loop waits on the model. When the replica's socket closes (the replica exited or
+died) the process exits: it never outlives its replica.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -35,17 +39,20 @@ from splitserve.config import EngineConfig, env
 from splitserve.errors import InvalidRequestError
 from splitserve.scheduler.request import RequestStatus
 from splitserve.workers.engine import messages
+from splitserve.workers.engine.front_listener import Front, FrontClosed, FrontListener, FrontOpened
 from splitserve.workers.engine.llm_engine import LLMEngine
 from splitserve.workers.engine.messages import (
     Abort,
     Delta,
     Event,
     GenerateCall,
+    Overloaded,
     Rejected,
     Routed,
     StepEvents,
     TicketIssued,
     WorkerStats,
+    is_last,
 )
 from splitserve.workers.output.request_output import RequestOutput
 
@@ -65,6 +72,9 @@ class Start:
     config: dict  # dataclasses.asdict(EngineConfig)
     owner: str  # the replica's id, written into KV tickets
     rendezvous: bool  # prefill over NCCL: ask the replica to reach decode workers
+    front_host: str  # where fronts connect
+    secret: str  # what their Hello must carry
+    max_requests: int | None = None  # open requests beyond this are Overloaded
 
 
 @messages.register
@@ -119,13 +129,15 @@ class Shutdown:
 
 class EngineCore:
     def __init__(self, conn: Connection, start: Start):
-        self.conn = conn
-        self._send_lock = threading.Lock()  # the loop and transport threads both send
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.replica = Front(conn, "replica")
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # (front, message)
         self._wakeup = threading.Event()
         self._rendezvous: dict[int, tuple[threading.Event, list]] = {}
         self._call_ids = itertools.count(1)  # next() is atomic under the GIL
         self._stopped = False
+        self._max_requests = start.max_requests
+        self._fronts: set[Front] = set()
+        self._owners: dict[str, Front] = {}  # request id -> the front that sent it
         options = {"owner": start.owner} if start.owner else {}
         if start.rendezvous:
             options["rendezvous"] = self._ask_rendezvous
@@ -133,15 +145,11 @@ class EngineCore:
         self.engine = LLMEngine(config, delta_outputs=True, **options)
         if self.engine.kv_transport is not None:
             self.engine.kv_transport.notify = self._wakeup.set
+        self.listener = FrontListener(start.front_host, start.secret, self._on_front_message)
         self.num_steps = 0
 
-    def send(self, message) -> None:
-        frame = messages.encode(message)
-        with self._send_lock:
-            self.conn.send_bytes(frame)
-
     def run(self) -> None:
-        threading.Thread(target=self._read, name="engine-commands", daemon=True).start()
+        threading.Thread(target=self._read_replica, name="engine-control", daemon=True).start()
         stats_time = 0.0
         while not self._stopped:
             self._drain_commands()
@@ -149,31 +157,59 @@ class EngineCore:
             if engine.has_unfinished_requests():  # a step also polls the transfers
                 events = [_event_of(output) for output in engine.step()]
                 self.num_steps += 1
-                if events:
-                    self.send(StepEvents(events))
+                self._send_events(events)
             if not engine.has_runnable_requests():
                 self._wakeup.wait(IDLE_WAIT_S)  # a command or a transfer event wakes it
                 self._wakeup.clear()
             if time.monotonic() - stats_time >= STATS_PERIOD_S:
-                self.send(collect_stats(engine, self.num_steps))
+                self._send_stats()
                 stats_time = time.monotonic()
+        self.listener.close()
         self.engine.close()
 
-    # ---- commands --------------------------------------------------------------------
+    def stats(self) -> WorkerStats:
+        stats = collect_stats(self.engine, self.num_steps)
+        stats.address = self.listener.address
+        return stats
 
-    def _read(self) -> None:
-        """The reader thread: frames in, commands queued; the socket closing ends it all."""
+    # ---- events out --------------------------------------------------------------------
+
+    def _send_events(self, events: list[Event]) -> None:
+        """Each front gets one ``StepEvents`` with its requests' events, in order."""
+        by_front: dict[Front, list[Event]] = {}
+        for event in events:
+            rid = event.request_id
+            front = self._owners.pop(rid) if is_last(event) else self._owners.get(rid)
+            if front is not None:  # else it was aborted: nobody waits for it
+                by_front.setdefault(front, []).append(event)
+        for front, front_events in by_front.items():
+            front.send(StepEvents(front_events))
+
+    def _send_stats(self) -> None:
+        frame = messages.encode(self.stats())
+        self.replica.send_frame(frame)
+        for front in list(self._fronts):
+            front.send_frame(frame)
+
+    # ---- commands in -------------------------------------------------------------------
+
+    def _on_front_message(self, front: Front, message) -> None:
+        self._commands.put((front, message))
+        self._wakeup.set()
+
+    def _read_replica(self) -> None:
+        """The replica's control frames; the socket closing ends the process."""
         try:
             while True:
-                message = messages.decode(self.conn.recv_bytes())
+                message = messages.decode(self.replica.conn.recv_bytes())
                 if isinstance(message, RendezvousDone):
                     done, result = self._rendezvous[message.call_id]
                     result.append(message.error)
                     done.set()
                 elif isinstance(message, JoinPair):  # returns at once: rank 1 in a thread
                     self.engine.kv_transport.join(message.pair_key, message.unique_id)
-                else:
-                    self._commands.put(message)
+                elif isinstance(message, Shutdown):
+                    self._stopped = True
                     self._wakeup.set()
         except (EOFError, OSError):
             os._exit(0)  # the replica is gone: so is its engine
@@ -181,17 +217,38 @@ class EngineCore:
     def _drain_commands(self) -> None:
         while True:
             try:
-                command = self._commands.get_nowait()
+                front, command = self._commands.get_nowait()
             except queue.Empty:
                 return
             if isinstance(command, GenerateCall):
-                event = self._add(command)
+                event = self._admit(front, command)
                 if event is not None:
-                    self.send(StepEvents([event]))
+                    self._send_events([event])
             elif isinstance(command, Abort):
-                self.engine.abort_request(command.request_id)
-            elif isinstance(command, Shutdown):
-                self._stopped = True
+                if self._owners.get(command.request_id) is front:  # its own requests only
+                    self._abort(command.request_id)
+            elif isinstance(command, FrontOpened):
+                self._fronts.add(front)
+                front.send(self.stats())
+            elif isinstance(command, FrontClosed):
+                self._fronts.discard(front)
+                for rid in [r for r, f in self._owners.items() if f is front]:
+                    self._abort(rid)
+
+    def _abort(self, request_id: str) -> None:
+        self._owners.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def _admit(self, front: Front, call: GenerateCall) -> Event | None:
+        rid = call.request_id
+        if rid in self._owners:  # the events go to the caller, the request stays its owner's
+            front.send(StepEvents([Rejected(rid, f"request id {rid!r} is already in use")]))
+            return None
+        self._owners[rid] = front
+        if self._max_requests is not None and len(self._owners) > self._max_requests:
+            limit = self._max_requests
+            return Overloaded(rid, f"the {self.engine.role} worker holds its {limit} requests")
+        return self._add(call)
 
     def _add(self, call: GenerateCall) -> Event | None:
         engine, rid, ids = self.engine, call.request_id, call.prompt_token_ids
@@ -215,7 +272,7 @@ class EngineCore:
         done, result = threading.Event(), []
         self._rendezvous[call_id] = (done, result)
         try:
-            self.send(Rendezvous(call_id, ticket.owner, pair_key, unique_id))
+            self.replica.send(Rendezvous(call_id, ticket.owner, pair_key, unique_id))
             if not done.wait(RENDEZVOUS_TIMEOUT_S):
                 raise ConnectionError(f"no NCCL rendezvous with {ticket.owner} within 60 s")
             if result[0] is not None:
@@ -269,13 +326,12 @@ def main(fd: int) -> None:
     except BaseException:  # the replica raises it, so the cause reaches the user
         conn.send_bytes(messages.encode(StartFailed(traceback.format_exc())))
         sys.exit(1)
-    core.send(Ready(collect_stats(core.engine, 0)))
+    core.replica.send(Ready(core.stats()))
     try:
         core.run()
     except BaseException:
         logger.exception("the engine loop died")
-        with contextlib.suppress(OSError):
-            core.send(EngineDied(traceback.format_exc()))
+        core.replica.send(EngineDied(traceback.format_exc()))
         sys.exit(1)
 
 

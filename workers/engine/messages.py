@@ -1,32 +1,37 @@
 """What crosses a process or Ray boundary: the ingress, a worker replica and its engine
 process speak only these types.
 
-Calls, into a worker (ingress -> replica -> engine process):
+Calls, into a worker's engine process (from an ingress over its own connection):
+    ``Hello``         the first frame of a connection: the application's secret
     ``GenerateCall``  a request to compute here (local), to decode after a prefill
                       worker's hand-off (``remote``), or a prompt to compute and hand
                       off (``kv_ticket``: a prefill worker)
     ``Abort``         the caller left or failed: free the request's KV
-    ``NcclJoinCall``  a prefill worker's NCCL rendezvous with a decode replica
+    ``NcclJoinCall``  (through Ray) a prefill worker's NCCL rendezvous with a decode replica
 Events, out of a worker, each for one request:
     ``Routed``        a decode worker's route: ``disaggregated`` or ``local_prefix_hit``
     ``TicketIssued``  blocks reserved: a prefill worker may now send the KV there
     ``Delta``         what one step added to a request (tokens, text, logprobs, finish)
     ``Rejected``      invalid request (the ingress answers 400), nothing was computed
+    ``Overloaded``    the worker holds its limit of requests: try another, or answer 503
     ``Failed``        the request cannot go on (a failed hand-off, a dead engine)
-Load: ``WorkerStats``, every stats period.
+Load: ``WorkerStats``, every stats period, to the replica and to every connection.
 
-An engine step sends one ``StepEvents`` for all of its requests; a replica
-forwards what has piled up for a request as one list. Nothing crosses a
-boundary once per token per request.
+An engine step sends one ``StepEvents`` per connection with all of that
+connection's requests' events; nothing crosses a boundary once per token per
+request.
 
-Between the replica and its engine process messages are msgpack frames,
-``[tag, *fields]`` (``encode`` / ``decode``); through Ray they travel as the
-objects themselves.
+Messages are msgpack frames, ``[tag, *fields]`` (``encode`` / ``decode``), each
+behind a 4-byte big-endian signed length (``multiprocessing.connection``'s framing,
+which the engine process uses; ``read_frame`` / ``framed`` are the asyncio side).
+Through Ray they travel as the objects themselves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +57,13 @@ class GenerateCall:
 @dataclass(frozen=True)
 class Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A connection's first frame; the engine closes a connection whose secret is wrong."""
+
+    secret: str
 
 
 @dataclass(frozen=True)
@@ -151,12 +163,23 @@ class Rejected:
 
 
 @dataclass(frozen=True)
+class Overloaded:
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
 class Failed:
     request_id: str
     message: str
 
 
-Event = Routed | TicketIssued | Delta | Rejected | Failed
+Event = Routed | TicketIssued | Delta | Rejected | Overloaded | Failed
+
+
+def is_last(event: Event) -> bool:
+    """Whether nothing follows ``event`` for its request."""
+    return isinstance(event, Failed | Rejected | Overloaded) or getattr(event, "finished", False)
 
 
 @dataclass
@@ -174,6 +197,7 @@ class WorkerStats:
     role: str
     engine_pid: int  # the engine process
     pid: int = 0  # the replica that holds it (set by the replica)
+    address: str = ""  # host:port where fronts connect to the engine process
     num_running: int = 0
     num_waiting: int = 0  # prompts waiting to be scheduled
     num_waiting_for_kv: int = 0  # remote requests with reserved blocks or waiting for them
@@ -192,16 +216,18 @@ class WorkerStats:
         return dataclasses.asdict(self)
 
 
-# ---- the replica <-> engine process codec ------------------------------------------
+# ---- the codec ------------------------------------------------------------------------
 
 _TYPES: list[type] = [
     GenerateCall,
     Abort,
+    Hello,
     NcclJoinCall,
     Routed,
     TicketIssued,
     Delta,
     Rejected,
+    Overloaded,
     Failed,
     StepEvents,
     WorkerStats,
@@ -237,3 +263,20 @@ def _pack(obj: Any) -> msgpack.ExtType:
 def _unpack(tag: int, data: bytes) -> Any:
     fields = msgpack.unpackb(data, ext_hook=_unpack, raw=False, strict_map_key=False)
     return _TYPES[tag](*fields)
+
+
+MAX_FRAME_BYTES = 64 << 20  # a front's frame beyond this closes its connection
+_HEADER = struct.Struct("!i")
+
+
+def framed(frame: bytes) -> bytes:
+    """``frame`` behind its length, as ``Connection.send_bytes`` writes it."""
+    return _HEADER.pack(len(frame)) + frame
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """The next frame ``Connection.send_bytes`` wrote (frames from an engine stay < 2 GiB)."""
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size < 0:
+        raise ConnectionError("a frame of 2 GiB or more")
+    return await reader.readexactly(size)

@@ -1,0 +1,141 @@
+"""The ingress's view of the worker pools: one connection to each engine, ranked by load.
+
+Workers announce themselves on the stats board (their engine's ``address`` is in
+their stats); the directory connects to each new one, drops the ones that left,
+and ranks a pool's live engines with ``cluster.routing``'s costs from the load
+each engine pushes over its connection (every stats period) plus the calls this
+ingress sent since. ``acquire`` returns the best engine with room below the
+pool's ``max_ongoing_requests``; when none has room, up to
+``max_queued_requests`` callers wait for one (a stats push or a finished request
+wakes them), and beyond that it raises ``PoolOverloaded`` (the ingress's 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+
+from splitserve.cluster.routing import RouterConfig, WorkerLoad, decode_cost, prefill_cost
+from splitserve.cluster.serve_config import PoolConfig
+from splitserve.workers.engine.engine_connection import EngineConnection
+
+logger = logging.getLogger(__name__)
+
+NO_WORKER_WAIT_S = 30.0  # how long a call waits for a pool's first worker to appear
+
+
+class PoolOverloaded(Exception):
+    """Every worker of the pool is at its limit and the wait queue is full."""
+
+
+class NoWorker(Exception):
+    """The pool has no live worker."""
+
+
+class WorkerDirectory:
+    def __init__(self, board, secret: str, pools: dict[str, PoolConfig], router: RouterConfig):
+        self._board = board
+        self._secret = secret
+        self._pools = pools  # the pools that exist (active) and their limits
+        self._router = router
+        self._workers: dict[str, tuple[str, EngineConnection]] = {}  # worker id -> (pool, conn)
+        self._opening: set[str] = set()
+        self._changed = {pool: asyncio.Event() for pool in pools}
+        self._waiting = dict.fromkeys(pools, 0)
+
+    async def refresh(self) -> None:
+        """Connect to workers new on the board; drop those gone from it or disconnected."""
+        snapshot = await self._board.snapshot.remote()
+        for worker_id, (pool, stats) in snapshot.items():
+            address = stats.get("address")
+            known = worker_id in self._workers or worker_id in self._opening
+            if pool in self._pools and address and not known:
+                self._opening.add(worker_id)
+                asyncio.ensure_future(self._connect(worker_id, pool, address))
+        for worker_id, (pool, conn) in list(self._workers.items()):
+            if worker_id not in snapshot or not conn.alive:
+                del self._workers[worker_id]
+                conn.close()
+                self._changed[pool].set()
+
+    def connections(self, pool: str) -> list[EngineConnection]:
+        return [c for p, c in self._workers.values() if p == pool and c.alive]
+
+    async def acquire(self, pool: str, exclude: Iterable[str] = ()) -> EngineConnection:
+        """The least-loaded live engine of ``pool`` with room, not in ``exclude`` (names)."""
+        exclude = set(exclude)
+        waited = False
+        try:
+            while True:
+                ranked = [c for c in self.ranked(pool) if c.name not in exclude]
+                if not ranked:
+                    await self._wait_for_a_worker(pool, exclude)
+                    continue
+                for conn in ranked:
+                    if self._has_room(pool, conn):
+                        return conn
+                if not waited:
+                    if self._waiting[pool] >= self._pools[pool].max_queued_requests:
+                        raise PoolOverloaded(
+                            f"every {pool} worker holds its "
+                            f"{self._pools[pool].max_ongoing_requests} requests and "
+                            f"{self._waiting[pool]} more are waiting"
+                        )
+                    self._waiting[pool] += 1
+                    waited = True
+                await self._changed_in(pool)
+        finally:
+            if waited:
+                self._waiting[pool] -= 1
+
+    def ranked(self, pool: str) -> list[EngineConnection]:
+        return sorted(self.connections(pool), key=lambda c: self._cost(pool, c))
+
+    async def run(self, period_s: float) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # the board restarts with the app; keep serving meanwhile
+                logger.warning("could not read the stats board", exc_info=True)
+            await asyncio.sleep(period_s)
+
+    # ---- internals ---------------------------------------------------------------------
+
+    async def _connect(self, worker_id: str, pool: str, address: str) -> None:
+        name = f"{pool} worker {worker_id}"
+        try:
+            conn = await EngineConnection.open(address, self._secret, name)
+        except (OSError, asyncio.TimeoutError) as e:
+            logger.warning("could not connect to the %s at %s: %s", name, address, e)
+            return
+        finally:
+            self._opening.discard(worker_id)
+        conn.on_update = self._changed[pool].set
+        self._workers[worker_id] = (pool, conn)
+        self._changed[pool].set()
+
+    async def _changed_in(self, pool: str) -> None:
+        event = self._changed[pool]
+        event.clear()
+        await event.wait()
+
+    async def _wait_for_a_worker(self, pool: str, exclude: set[str]) -> None:
+        if exclude and self.connections(pool):
+            raise NoWorker(f"no other {pool} worker is live")
+        await self.refresh()
+        try:
+            await asyncio.wait_for(self._changed_in(pool), NO_WORKER_WAIT_S)
+        except asyncio.TimeoutError:
+            raise NoWorker(f"no {pool} worker is live") from None
+
+    def _has_room(self, pool: str, conn: EngineConnection) -> bool:
+        load = WorkerLoad.from_stats(conn.stats.as_dict() if conn.stats else None)
+        held = load.num_requests + conn.sent_since_stats
+        return held < self._pools[pool].max_ongoing_requests
+
+    def _cost(self, pool: str, conn: EngineConnection) -> tuple:
+        load = WorkerLoad.from_stats(conn.stats.as_dict() if conn.stats else None)
+        if pool == "prefill":
+            return prefill_cost(load, conn.sent_tokens_since_stats)
+        return decode_cost(self._router, load, conn.sent_since_stats)

@@ -1,0 +1,163 @@
+"""A front's (an ingress replica's) connection to one engine process, for asyncio.
+
+One TCP connection per front and engine carries every request the front sends
+there: ``generate`` sends a ``GenerateCall`` and yields lists of the request's
+events as they come (whatever piled up since the caller last looked, so a
+caller that lags takes several steps' events at once instead of falling
+further behind); leaving the iteration early aborts the request, so its KV
+blocks return. The engine also pushes its ``WorkerStats`` here every stats
+period, which the front routes on.
+
+If the connection ends (the engine process or its replica died), every open
+stream ends with ``Failed`` and ``alive`` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Callable
+
+from splitserve.workers.engine import messages
+from splitserve.workers.engine.messages import (
+    Abort,
+    Event,
+    Failed,
+    GenerateCall,
+    Hello,
+    StepEvents,
+    WorkerStats,
+    is_last,
+)
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class _Stream:
+    """One request's events, waiting for its ``generate`` to take them."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.ready = asyncio.Event()
+
+    def put(self, event: Event) -> None:
+        self.events.append(event)
+        self.ready.set()
+
+    async def take(self) -> list[Event]:
+        await self.ready.wait()
+        self.ready.clear()
+        events, self.events = self.events, []
+        return events
+
+
+class EngineConnection:
+    def __init__(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.name = name  # for messages: "the decode worker 3f2a"
+        self.stats: WorkerStats | None = None
+        self.error: str | None = None
+        self.on_update: Callable[[], None] | None = None  # stats came, or a request ended
+        self.sent_since_stats = 0  # calls sent since the last stats (routing adds them)
+        self.sent_tokens_since_stats = 0  # and their prompt tokens
+        self._reader = reader
+        self._writer = writer
+        self._streams: dict[str, _Stream] = {}
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    @classmethod
+    async def open(cls, address: str, secret: str, name: str = "") -> EngineConnection:
+        host, port = address.rsplit(":", 1)
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, int(port)), CONNECT_TIMEOUT_S
+        )
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection = cls(name or address, reader, writer)
+        connection._send(Hello(secret))
+        return connection
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None
+
+    @property
+    def num_open(self) -> int:
+        """This front's requests open on the engine."""
+        return len(self._streams)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
+        """Send a request; yield its events in order, in lists, until its last."""
+        if not self.alive:
+            raise ConnectionError(f"{self.name}: {self.error}")
+        rid = call.request_id
+        stream = self._streams[rid] = _Stream()
+        finished = False
+        try:
+            self._send(call)
+            self.sent_since_stats += 1
+            self.sent_tokens_since_stats += len(call.prompt_token_ids)
+            while not finished:
+                events = await stream.take()
+                finished = any(is_last(e) for e in events)
+                yield events
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+            if self.on_update is not None:
+                self.on_update()
+
+    def abort(self, request_id: str) -> None:
+        if self.alive:
+            self._send(Abort(request_id))
+
+    def fail(self, request_id: str, message: str) -> None:
+        """End a request's stream with ``Failed`` from this side (its hand-off failed
+        elsewhere); the caller's leaving then aborts it on the engine."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(Failed(request_id, message))
+
+    def close(self) -> None:
+        self.error = self.error or f"the connection to {self.name} was closed"
+        self._task.cancel()
+        self._writer.close()
+        self._fail_all(self.error)
+
+    # ---- the engine's side -------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        self._writer.write(messages.framed(messages.encode(message)))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = messages.decode(await messages.read_frame(self._reader))
+                if isinstance(message, StepEvents):
+                    self._dispatch(message.events)
+                elif isinstance(message, WorkerStats):
+                    self.stats = message
+                    self.sent_since_stats = self.sent_tokens_since_stats = 0
+                    if self.on_update is not None:
+                        self.on_update()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # closed, reset, or a frame that is not ours
+            self.error = f"the connection to {self.name} ended ({type(e).__name__})"
+            logger.warning("%s", self.error)
+        self._fail_all(self.error)
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is not None:  # else the caller left; its abort is on the way
+                stream.put(event)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, stream in list(self._streams.items()):
+            stream.put(Failed(rid, message))
