@@ -159,32 +159,21 @@ class KernelConfig:
             )
 
 
-SPEC_METHODS = ("mtp",)
-
-
 @dataclass
-class SpeculativeConfig:
-    """Speculative decoding, in vLLM's spelling: ``{method: mtp, num_speculative_tokens: K}``.
+class RequestLimits:
+    """How large a request's lists may be: each one costs the engine per step, so a request
+    cannot slow down its neighbours (the ingress and ``LLMEngine.add_request`` check them)."""
 
-    ``mtp``: the checkpoint's MTP layer drafts ``K`` tokens a step (chained, the one
-    layer reused), the target verifies them in one step of ``1 + K`` tokens a request.
-    """
-
-    method: str = "mtp"
-    num_speculative_tokens: int = 1
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
+    max_bad_words: int = 1024
 
     def check(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(
-                f"invalid speculative_config.method={self.method!r}: "
-                f"must be one of {', '.join(SPEC_METHODS)}"
-            )
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(
-                f"invalid speculative_config.num_speculative_tokens={k!r}: must be an integer "
-                ">= 1 (leave speculative_config out to decode without speculation)"
-            )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"invalid limits.{f.name}={value!r}: must be an integer >= 1")
 
 
 ROLES = ("mixed", "prefill", "decode")
@@ -251,7 +240,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
-    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
@@ -264,14 +253,7 @@ class EngineConfig:
         self.kv_transfer.check()
         self.cuda_graph.check()
         self.kernels.check()
-        if self.speculative_config is not None:
-            self.speculative_config.check()
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        """Draft tokens a request verifies per step; 0 without speculative decoding."""
-        spec = self.speculative_config
-        return 0 if spec is None else spec.num_speculative_tokens
+        self.limits.check()
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
@@ -282,13 +264,11 @@ class EngineConfig:
             "kv_transfer": KVTransferConfig,
             "cuda_graph": CudaGraphConfig,
             "kernels": KernelConfig,
-            "speculative_config": SpeculativeConfig,
+            "limits": RequestLimits,
         }
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            if key == "speculative_config" and value is None:
-                kwargs[key] = None
-            elif key in nested:
+            if key in nested:
                 kwargs[key] = nested[key](**known_keys(nested[key], value, prefix=f"{key}."))
             else:
                 kwargs[key] = value

@@ -14,12 +14,14 @@ stores the tokens into page-locked host memory, so no copy to the host follows
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from splitserve.kernels import ops
+from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.request import Request
 from splitserve.workers.runner.input_batch import to_device
 from splitserve.workers.runner.pinned_ring import PinnedRing, PinnedSlot
@@ -29,6 +31,8 @@ from splitserve.workers.sampling.logits_processors import (
     apply_penalties,
     edits_logits,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,13 +137,44 @@ class Sampler:
         self._generator: torch.Generator | None = None  # for unseeded rows
         self._request_generators: dict[str, torch.Generator] = {}
         self._host_tokens: PinnedRing | None = None  # on CUDA: where the argmax stores tokens
+        self.failures: dict[str, str] = {}  # request id -> why it could not be sampled
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         return self.sample(logits, requests).result()
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
-        """Queue the sampling of one token per row; nothing here waits for the device."""
+        """Queue the sampling of one token per row; nothing here waits for the device.
+
+        A request whose row fails to sample on its own (its settings, or a processor
+        that raises on it) does not fail the batch: its row is sampled greedily
+        instead and ``failures`` says why, for the engine to end that request with an
+        error. In that step the other seeded rows may draw differently than they
+        would have without it.
+        """
         assert logits.shape[0] == len(requests), (logits.shape, len(requests))
+        try:
+            return self._sample_batch(logits, requests)
+        except Exception:
+            failed = self._failing_rows(logits, requests)
+            if not failed:
+                raise  # not one request's doing: the engine cannot go on
+        stand_ins = [_stand_in(r) if i in failed else r for i, r in enumerate(requests)]
+        for i, error in failed.items():
+            self.failures[requests[i].request_id] = error
+        return self._sample_batch(logits, stand_ins)
+
+    def _failing_rows(self, logits: torch.Tensor, requests: list[Request]) -> dict[int, str]:
+        """Row -> error, for the rows that fail when sampled alone."""
+        failed = {}
+        for i, request in enumerate(requests):
+            try:
+                self._sample_batch(logits[i : i + 1], [request]).result()
+            except Exception as e:
+                logger.exception("sampling request %s failed", request.request_id)
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+        return failed
+
+    def _sample_batch(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
         if not edits_logits(requests) and all(_plain_greedy(r) for r in requests):
             # Nothing edits or reads the float32 logits: one argmax, no copies (an argmax of
             # the model's dtype picks what the float32 one picks, first index on ties).
@@ -184,22 +219,12 @@ class Sampler:
             else:
                 q[i].exponential_(generator=self._request_generator(r, device, q.shape[1]))
         if unseeded:
+            if self._generator is None or self._generator.device != device:
+                self._generator = torch.Generator(device).manual_seed(self.seed)
             noise = torch.empty(len(unseeded), probs.shape[1], device=device)
-            q[to_device(unseeded, device)] = noise.exponential_(generator=self._shared(device))
+            q[to_device(unseeded, device)] = noise.exponential_(generator=self._generator)
         # q == 0 would turn a banned token's 0 / q into NaN, which argmax prefers.
         return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
-
-    def generator(self, request: Request, device: torch.device, vocab_size: int) -> torch.Generator:
-        """Where a request's random draws come from: its own generator when seeded (so its
-        tokens do not depend on the batch), else the one shared by unseeded rows."""
-        if request.sampling_params.seed is None:
-            return self._shared(device)
-        return self._request_generator(request, device, vocab_size)
-
-    def _shared(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device).manual_seed(self.seed)
-        return self._generator
 
     def _request_generator(
         self, request: Request, device: torch.device, vocab_size: int
@@ -234,6 +259,12 @@ class Sampler:
         """Drop per-request state (generator, bad-word ids) once a request has ended."""
         self._request_generators.pop(request_id, None)
         self.bad_words.release(request_id)
+        self.failures.pop(request_id, None)
+
+
+def _stand_in(request: Request) -> Request:
+    """A greedy request in a failed request's row, so the batch keeps its shape."""
+    return Request(f"{request.request_id} (failed)", [0], SamplingParams(temperature=0.0))
 
 
 def _plain_greedy(request: Request) -> bool:
