@@ -159,6 +159,34 @@ class KernelConfig:
             )
 
 
+SPEC_METHODS = ("mtp",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's spelling: ``{method: mtp, num_speculative_tokens: K}``.
+
+    ``mtp``: the checkpoint's MTP layer drafts ``K`` tokens a step (chained, the one
+    layer reused), the target verifies them in one step of ``1 + K`` tokens a request.
+    """
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    def check(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"invalid speculative_config.method={self.method!r}: "
+                f"must be one of {', '.join(SPEC_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"invalid speculative_config.num_speculative_tokens={k!r}: must be an integer "
+                ">= 1 (leave speculative_config out to decode without speculation)"
+            )
+
+
 @dataclass
 class RequestLimits:
     """How large a request's lists may be: each one costs the engine per step, so a request
@@ -240,6 +268,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     kernels: KernelConfig = field(default_factory=KernelConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
@@ -254,6 +283,14 @@ class EngineConfig:
         self.cuda_graph.check()
         self.kernels.check()
         self.limits.check()
+        if self.speculative_config is not None:
+            self.speculative_config.check()
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens a request verifies per step; 0 without speculative decoding."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
@@ -264,11 +301,14 @@ class EngineConfig:
             "kv_transfer": KVTransferConfig,
             "cuda_graph": CudaGraphConfig,
             "kernels": KernelConfig,
+            "speculative_config": SpeculativeConfig,
             "limits": RequestLimits,
         }
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            if key in nested:
+            if key == "speculative_config" and value is None:
+                kwargs[key] = None
+            elif key in nested:
                 kwargs[key] = nested[key](**known_keys(nested[key], value, prefix=f"{key}."))
             else:
                 kwargs[key] = value

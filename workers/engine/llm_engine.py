@@ -52,6 +52,9 @@ from splitserve.workers.output.processor import OutputProcessor
 from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
 from splitserve.workers.runner.model_runner import GraphLimits, LaunchedStep, ModelRunner
 from splitserve.workers.sampling.sampler import Sampler, TokenLogprobs
+from splitserve.workers.spec_decode.mtp_proposer import MTPProposer
+from splitserve.workers.spec_decode.speculator import Speculator
+from splitserve.workers.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +94,10 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, kv_layout.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        num_spec = config.num_speculative_tokens
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.max_model_len, num_lookahead_tokens=num_spec
+        )
         self.sampler = Sampler(self.tokenizer, seed=config.seed)
         backend = make_attention_backend(
             config.attention_backend,
@@ -100,6 +106,11 @@ class LLMEngine:
             kv_layout,
             config.kernels,
         )
+        speculator = None
+        if num_spec:
+            proposer = MTPProposer(model, num_spec, self.kv_cache, backend)
+            speculator = Speculator(model, proposer, self.sampler)
+        self.spec_stats = SpecDecodeStats()
         graph_limits = None
         if config.cuda_graph.enabled:
             graph_limits = GraphLimits(
@@ -109,7 +120,7 @@ class LLMEngine:
                 self.max_model_len,
             )
         self.runner = ModelRunner(
-            model, self.kv_cache, backend, self.sampler, self.device, graph_limits
+            model, self.kv_cache, backend, self.sampler, self.device, graph_limits, speculator
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, self.max_model_len, delta=delta_outputs
@@ -123,11 +134,13 @@ class LLMEngine:
             transport = make_kv_transport(
                 kt.transport, self.kv_cache, kt.host, kt.timeout_s, **options
             )
-            num_layers = self.hf_config.num_hidden_layers  # MTP layers stay local
-            self.handoff = KVHandoff(transport, self.scheduler, num_layers)
+            num_layers = self.hf_config.num_hidden_layers
+            self.handoff = KVHandoff(transport, self.scheduler, num_layers, drafts=num_spec > 0)
         self.async_scheduling = config.scheduler.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.device.type == "cuda"
+        if num_spec:  # where the drafts go depends on the tokens accepted: read back first
+            self.async_scheduling = False
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
         self.runner.capture_graphs()
         logger.info(
@@ -309,7 +322,8 @@ class LLMEngine:
     def _read_back(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
         result = launched.result()
-        tokens = {rid: tok for rid, (tok, _) in result.sampled.items()}
+        tokens = {rid: toks for rid, (toks, _) in result.sampled.items()}
+        self.spec_stats.count(launched.sampling, result.sampled)
         self.scheduler.resolve(launched.batch, tokens)
         outputs = []
         for request in launched.sampling:
@@ -327,14 +341,18 @@ class LLMEngine:
         return outputs
 
     def _on_sampled(self, request: Request, result, launched: LaunchedStep) -> RequestOutput | None:
-        """A request's sampled token as its output (None: a prefill hands it on)."""
-        token, logprobs = result.sampled[request.request_id]
+        """A request's sampled tokens as its output (None: a prefill hands them on)."""
+        toks, logprobs = result.sampled[request.request_id]
+        drafts = result.drafts.get(request.request_id, [])
         if request.kv_ticket is None:
-            return self._append(request, token, logprobs)
+            output = self._append_run(request, toks, logprobs)
+            if not request.is_finished:
+                request.spec_token_ids = drafts
+            return output
         if request.request_id in launched.send_errors:
             return self._fail(request, launched.send_errors[request.request_id])
-        # prefill side: the first token follows the KV to the decode worker
-        self.handoff.worker.finish_send(request, token, logprobs)
+        # prefill side: the first token (and drafts) follow the KV to the decode worker
+        self.handoff.worker.finish_send(request, toks[0], logprobs[0], drafts)
         return None
 
     def _fail_alone(self, request: Request, error: Exception) -> RequestOutput:
@@ -350,13 +368,24 @@ class LLMEngine:
         out = CompletionOutput(0, "", [], "error", None, None)
         return RequestOutput(request.request_id, None, [], [out], True, error=message)
 
+    def _append_run(
+        self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> RequestOutput:
+        """Record tokens the scheduler already appended, one at a time: the first one that
+        stops the request drops those after it (a verify step's run may overshoot)."""
+        first = len(request.output_token_ids) - len(tokens)
+        for j, (token, lp) in enumerate(zip(tokens, logprobs)):
+            status = self.output_processor.append(request, token, lp)
+            if status is not None:
+                del request.output_token_ids[first + j + 1 :]
+                self._finish(request, status)
+                break
+        return self.output_processor.make_output(request)
+
     def _append(
         self, request: Request, token: int, logprobs: TokenLogprobs | None
     ) -> RequestOutput:
-        status = self.output_processor.append(request, token, logprobs)
-        if status is not None:
-            self._finish(request, status)
-        return self.output_processor.make_output(request)
+        return self._append_run(request, [token], [logprobs])
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)
@@ -398,4 +427,8 @@ class LLMEngine:
         done, logprobs = event.done, None  # decode side: the first token arrived
         if request.sampling_params.logprobs is not None and done.logprob is not None:
             logprobs = TokenLogprobs(done.first_token, done.logprob, list(done.top_logprobs))
-        return self._append(request, done.first_token, logprobs)
+        output = self._append(request, done.first_token, logprobs)
+        if not request.is_finished and self.config.num_speculative_tokens:
+            drafts = done.draft_token_ids[: self.config.num_speculative_tokens]
+            request.spec_token_ids = list(drafts)  # the prefill worker's drafts
+        return output

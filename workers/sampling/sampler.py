@@ -219,12 +219,22 @@ class Sampler:
             else:
                 q[i].exponential_(generator=self._request_generator(r, device, q.shape[1]))
         if unseeded:
-            if self._generator is None or self._generator.device != device:
-                self._generator = torch.Generator(device).manual_seed(self.seed)
             noise = torch.empty(len(unseeded), probs.shape[1], device=device)
-            q[to_device(unseeded, device)] = noise.exponential_(generator=self._generator)
+            q[to_device(unseeded, device)] = noise.exponential_(generator=self._shared(device))
         # q == 0 would turn a banned token's 0 / q into NaN, which argmax prefers.
         return probs.div_(q.clamp_(min=torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+    def generator(self, request: Request, device: torch.device, vocab_size: int) -> torch.Generator:
+        """Where a request's random draws come from: its own generator when seeded (so its
+        tokens do not depend on the batch), else the one shared by unseeded rows."""
+        if request.sampling_params.seed is None:
+            return self._shared(device)
+        return self._request_generator(request, device, vocab_size)
+
+    def _shared(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device).manual_seed(self.seed)
+        return self._generator
 
     def _request_generator(
         self, request: Request, device: torch.device, vocab_size: int
