@@ -21,7 +21,6 @@ blocks. Every worker of a pool at its limit: the request waits (up to the pool's
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -32,20 +31,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from splitserve.cluster import routing
+from splitserve.cluster.http_guard import HttpGuard
 from splitserve.cluster.metrics import INGRESS, ServingMetrics
 from splitserve.cluster.openai_api import (
     OpenAIError,
-    chat_prompt,
-    completion_prompt,
-    context_length_exceeded,
+    as_openai_error,
     error_body,
-    invalid_request,
-    model_not_found,
+    for_client,
     overloaded,
-    parse_request,
     response_builder,
     sse_stream,
 )
+from splitserve.cluster.openai_api.intake import RequestIntake
 from splitserve.cluster.serve_config import ServeConfig
 from splitserve.cluster.stats_board import get_or_create_board
 from splitserve.cluster.worker_calls import WorkerBusy, WorkerFailed, guard, watch_prefill
@@ -75,6 +72,10 @@ class OpenAIIngress:
         limit = hf_config.max_position_embeddings
         self.max_model_len = self.config.engine.scheduler.max_model_len or limit
         self.vocab_size = hf_config.vocab_size
+        names = (self.config.model_name, self.config.engine.model)
+        self.intake = RequestIntake(
+            self.tokenizer, self.vocab_size, self.max_model_len, names, self.config.engine.limits
+        )
         self.pools = {"prefill": prefill, "decode": decode, "mixed": mixed}
         self.metrics = ServingMetrics()
         context = serve.get_replica_context()
@@ -86,6 +87,10 @@ class OpenAIIngress:
         loop = asyncio.get_event_loop()
         self._poster = loop.create_task(self._post_metrics())
         self._watcher = loop.create_task(self.workers.run(self.config.stats_period_s))
+
+    def __serve_build_asgi_app__(self):
+        """Ray Serve calls this once the replica is built: the app behind the HTTP guards."""
+        return HttpGuard(self._asgi_app, self.config.http)
 
     # ---- endpoints ----------------------------------------------------------
 
@@ -166,29 +171,16 @@ class OpenAIIngress:
         try:
             async for output in outputs:
                 builder.add(output)
-        except OpenAIError as e:
-            return JSONResponse(error_body(e), status_code=e.status)
+        except Exception as e:
+            err = for_client(as_openai_error(e), request_id)
+            return JSONResponse(error_body(err), status_code=err.status)
         return JSONResponse(builder.response())
 
     async def _validate(self, kind: str, request: Request):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise invalid_request(f"the request body is not valid JSON: {e}") from e
-        req = parse_request(kind, body)
-        if req.model is not None and req.model not in (
-            self.config.model_name,
-            self.config.engine.model,
-        ):
-            raise model_not_found(req.model, [self.config.model_name])
-        if kind == "completions":
-            text, ids = completion_prompt(req, self.tokenizer, self.vocab_size)
-        else:
-            text, ids = chat_prompt(req, self.tokenizer, self.vocab_size)
-        if len(ids) >= self.max_model_len:
-            raise context_length_exceeded(len(ids), self.max_model_len)
-        params = req.to_sampling_params(self.max_model_len - len(ids))
-        return req, text, ids, params
+        # The body is read (and its size checked) by the HTTP guard; parsing and
+        # tokenizing run off the event loop.
+        intake = await asyncio.to_thread(self.intake.parse, kind, await request.body())
+        return intake.request, intake.prompt_text, intake.prompt_token_ids, intake.params
 
     async def _generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams

@@ -103,6 +103,42 @@ class IngressConfig:
             raise bad("max_ongoing_requests", ">= 1")
 
 
+@dataclass
+class HttpConfig:
+    """What the HTTP front accepts (``cluster/http_guard.py``).
+
+    ``api_key``: clients must send ``Authorization: Bearer <api_key>`` (401 otherwise);
+    None: no key (``--api-key`` and ``SPLITSERVE_API_KEY`` set it from outside the file).
+    ``auth_health_and_metrics``: whether ``/health`` and ``/metrics`` need the key too.
+    ``cors_origins``: origins a browser may call from (``["*"]`` for any); empty: no CORS.
+    ``max_body_bytes``: larger bodies get 413 before they are read. The default holds a
+    prompt of a million token ids; a text prompt is also bounded by the context length.
+    """
+
+    api_key: str | None = None
+    auth_health_and_metrics: bool = False
+    cors_origins: list[str] = field(default_factory=list)
+    max_body_bytes: int = 16 * 2**20
+
+    def check(self) -> None:
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("invalid http.api_key: must be a non-empty string or null")
+        if not isinstance(self.auth_health_and_metrics, bool):
+            raise ValueError(
+                f"invalid http.auth_health_and_metrics={self.auth_health_and_metrics!r}: "
+                "must be true or false"
+            )
+        origins = self.cors_origins
+        if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+            raise ValueError(
+                f"invalid http.cors_origins={origins!r}: must be a list of origins "
+                "(https://app.example.com, or * for any)"
+            )
+        size = self.max_body_bytes
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1024:
+            raise ValueError(f"invalid http.max_body_bytes={size!r}: must be an integer >= 1024")
+
+
 def _default_pools() -> dict[str, PoolConfig]:
     return {"prefill": PoolConfig(), "decode": PoolConfig(), "mixed": PoolConfig(replicas=0)}
 
@@ -114,6 +150,7 @@ class ServeConfig:
     pools: dict[str, PoolConfig] = field(default_factory=_default_pools)
     router: RouterConfig = field(default_factory=RouterConfig)
     ingress: IngressConfig = field(default_factory=IngressConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     app_name: str = "splitserve"
@@ -121,6 +158,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         self.ingress.check()
+        self.http.check()
         unknown = set(self.pools) - set(POOLS)
         if unknown:
             raise ValueError(f"unknown pool {sorted(unknown)[0]!r}; pools: {', '.join(POOLS)}")
@@ -152,6 +190,8 @@ class ServeConfig:
         if "ingress" in values:
             ingress = values["ingress"] or {}
             values["ingress"] = IngressConfig(**known_keys(IngressConfig, ingress, "ingress."))
+        if "http" in values:
+            values["http"] = HttpConfig(**known_keys(HttpConfig, values["http"] or {}, "http."))
         if "pools" in values:
             pools = {}
             for name, pool in (values["pools"] or {}).items():

@@ -110,7 +110,7 @@ def test_chat_content_parts_are_joined():
         ("chat", {"messages": MESSAGES, "response_format": {"type": "json_object"}},
          "response_format", "'response_format' is not supported"),
         ("completions", {"prompt": "x", "n": 2}, "n",
-         "n=2 is not supported: this server returns one choice per request (n=1)"),
+         "invalid 'n': must be 1 (this server returns one choice per request)"),
         ("completions", {"prompt": "x", "logprobs": 21}, "logprobs",
          "invalid 'logprobs': Input should be less than or equal to 20, got 21"),
         ("completions", {"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),
@@ -195,8 +195,9 @@ def test_chat_sampling_params():
     [
         (completion(temperature=-1), "temperature",
          "invalid temperature=-1.0: must be >= 0 (0 means greedy)"),
-        (completion(top_k=-3), "top_k", "invalid top_k=-3: must be an integer >= 1"),
-        (completion(max_tokens=0), "max_tokens", "invalid max_tokens=0: must be an integer >= 1"),
+        (completion(top_k=-3), "top_k", "invalid top_k=-3: must be an integer in [-1, 2147483647]"),
+        (completion(max_tokens=0), "max_tokens",
+         "invalid max_tokens=0: must be an integer in [1, 2147483647]"),
         (chat(max_completion_tokens=0), "max_completion_tokens", "invalid max_tokens=0"),
         (completion(max_tokens=2, min_tokens=3), "min_tokens",
          "invalid min_tokens=3: must be an integer in [0, max_tokens=2]"),
@@ -547,8 +548,8 @@ def test_sse_stream_reports_a_failure_mid_stream():
     b = builder(completion(stream=True))
     events = collect(b, [delta("Hel", [10]), delta("", [], "error", error="decode worker died")])
     assert events[1:] == [
-        'data: {"error":{"message":"decode worker died","type":"server_error",'
-        '"param":null,"code":null}}\n\n',
+        'data: {"error":{"message":"request req-1 failed: decode worker died",'
+        '"type":"server_error","param":null,"code":null}}\n\n',
         SSE_DONE,
     ]
     assert events[0].startswith('data: {"id":"req-1","object":"text_completion"')

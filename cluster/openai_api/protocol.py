@@ -1,8 +1,10 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI plus vLLM extras).
 
 Types are checked strictly (``"5"`` is not an integer). Value ranges that ``SamplingParams``
-already checks are left to it, so one message describes each range; ``to_sampling_params``
-turns its ``ValueError`` into a 400. Fields that OpenAI clients may send but this server does
+already checks (what the engine can represent) and the list sizes of ``RequestLimits`` are
+left to it, so one message describes each range; ``to_sampling_params`` turns its
+``ValueError`` into a 400 naming the field. A string anywhere in the body must be valid
+Unicode (no lone UTF-16 surrogate). Fields that OpenAI clients may send but this server does
 not implement (``tools``, ``response_format``, ``logit_bias``, ...) are ignored when null or
 empty and rejected otherwise. ``parse_request`` turns any bad body into an ``OpenAIError``.
 """
@@ -15,9 +17,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from splitserve.cluster.openai_api.errors import invalid_request
+from splitserve.config import RequestLimits
 from splitserve.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 16  # the deepest a valid body nests is 4 (messages[i].content[j].text)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 UNSUPPORTED_FIELDS = (
     "logit_bias",
@@ -152,8 +156,7 @@ class _RequestBase(_Strict):
     def _check_common(self) -> _RequestBase:
         if self.n not in (None, 1):
             raise invalid_request(
-                f"n={self.n} is not supported: this server returns one choice per request (n=1)",
-                "n",
+                "invalid 'n': must be 1 (this server returns one choice per request)", "n"
             )
         if self.skip_special_tokens is False:
             raise invalid_request(
@@ -171,7 +174,12 @@ class _RequestBase(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int, renames: dict
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        default_max_tokens: int,
+        renames: dict,
+        limits: RequestLimits | None,
     ) -> SamplingParams:
         if max_tokens is None:
             if default_max_tokens < 1:
@@ -188,7 +196,9 @@ class _RequestBase(_Strict):
             **{name: getattr(self, name) for name in _PASSED_THROUGH},
         }
         try:
-            return SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+            params = SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+            params.check(limits or RequestLimits())
+            return params
         except ValueError as e:
             match = re.match(r"invalid (\w+)=", str(e))
             param = match and renames.get(match.group(1), match.group(1))
@@ -231,8 +241,10 @@ class CompletionRequest(_RequestBase):
             )
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs, default_max_tokens, {})
+    def to_sampling_params(
+        self, default_max_tokens: int, limits: RequestLimits | None = None
+    ) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs, default_max_tokens, {}, limits)
 
 
 class ChatCompletionRequest(_RequestBase):
@@ -254,14 +266,16 @@ class ChatCompletionRequest(_RequestBase):
             raise invalid_request("top_logprobs needs logprobs=true", "top_logprobs")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, default_max_tokens: int, limits: RequestLimits | None = None
+    ) -> SamplingParams:
         use_completion = self.max_completion_tokens is not None
         max_tokens = self.max_completion_tokens if use_completion else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         renames = {"logprobs": "top_logprobs"}
         if use_completion:
             renames["max_tokens"] = "max_completion_tokens"
-        return self._sampling_params(max_tokens, logprobs, default_max_tokens, renames)
+        return self._sampling_params(max_tokens, logprobs, default_max_tokens, renames, limits)
 
 
 REQUEST_TYPES: dict[str, type[_RequestBase]] = {
@@ -279,11 +293,46 @@ def parse_request(kind: str, body: Any) -> CompletionRequest | ChatCompletionReq
         raise ValueError(f"unknown request kind {kind!r}; accepted: {', '.join(REQUEST_TYPES)}")
     if not isinstance(body, dict):
         raise invalid_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    _check_body(body)
     try:
         return REQUEST_TYPES[kind].model_validate(body)
     except ValidationError as e:
         problems = [_describe(err) for err in e.errors()]
         raise invalid_request("; ".join(text for text, _ in problems), problems[0][1]) from None
+
+
+def _check_body(body: dict) -> None:
+    """Reject nesting deeper than ``MAX_JSON_DEPTH`` and strings (or object keys) that are
+    not valid Unicode, naming where; iterative, so no body can exhaust the stack."""
+    stack: list[tuple[Any, tuple]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise invalid_request(
+                f"the request body nests deeper than {MAX_JSON_DEPTH} levels", _location(path[:1])
+            )
+        if isinstance(value, str) and not _encodes(value):
+            raise invalid_request(
+                f"invalid '{_location(path)}': a string holds a lone UTF-16 surrogate, "
+                "which is not valid Unicode",
+                _location(path),
+            )
+        if isinstance(value, dict):
+            if not all(_encodes(key) for key in value):
+                where = _location(path)
+                raise invalid_request(f"invalid '{where}': a key is not valid Unicode", where)
+            stack += [(item, (*path, key)) for key, item in value.items()]
+        elif isinstance(value, list):
+            nested = (str, dict, list)
+            stack += [(v, (*path, i)) for i, v in enumerate(value) if isinstance(v, nested)]
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _describe(err: dict) -> tuple[str, str | None]:

@@ -9,7 +9,8 @@ per request and fed every delta, either
   unless ``stream_options.include_usage``), each sent with ``sse_event``, then ``SSE_DONE``.
 
 Both raise ``OpenAIError`` (500) for an output with ``error`` set; mid-stream, send
-``error_event(err)`` then ``SSE_DONE``. ``sse_stream`` does all of this for an async iterator.
+``error_event(err)`` then ``SSE_DONE``. ``sse_stream`` does all of this for an async iterator
+(any error in it reaches the client as ``errors.for_client`` words it).
 
 Finish reasons pass through: "stop" and "length" are OpenAI's; "abort" is kept as is.
 vLLM's ``return_token_ids`` adds ``prompt_token_ids`` (top level; streaming: in the first
@@ -24,7 +25,13 @@ import uuid
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
-from splitserve.cluster.openai_api.errors import OpenAIError, error_body, request_failed
+from splitserve.cluster.openai_api.errors import (
+    OpenAIError,
+    as_openai_error,
+    error_body,
+    for_client,
+    request_failed,
+)
 from splitserve.cluster.openai_api.logprobs import ChatLogprobs, CompletionLogprobs, TokenTexts
 from splitserve.cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
@@ -274,6 +281,6 @@ async def sse_stream(
         usage = builder.usage_chunk(cached_tokens)
         if usage is not None:
             yield sse_event(usage)
-    except OpenAIError as err:
-        yield error_event(err)
+    except Exception as e:  # the stream has started: the error goes in it
+        yield error_event(for_client(as_openai_error(e), builder.id))
     yield SSE_DONE
