@@ -2,7 +2,10 @@
 
 ``serve`` starts Ray (or joins ``--address``), deploys the ingress and the
 pools, prints the URL, and serves until Ctrl-C or SIGTERM, then deletes the
-app and shuts down what it started. With no arguments it serves
+app and shuts down what it started. What can be checked before deploying is
+checked in the driver (``startup_checks.py``; a context longer than the model's
+is lowered to it); a replica that still fails to start ends the command with
+its cause and status 1. With no arguments it serves
 ``configs/serve/default.yaml``: the tiny preset on CPU, one prefill and one
 decode worker, on 127.0.0.1:8000.
 
@@ -37,6 +40,11 @@ def add_parsers(commands) -> None:
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the workers run")
     p.add_argument("--address", help="join this Ray cluster instead of starting one")
+    p.add_argument(
+        "--api-key",
+        help="clients must send 'Authorization: Bearer <key>' (else SPLITSERVE_API_KEY, "
+        "else the config's http.api_key)",
+    )
     p.set_defaults(run=serve_main)
 
     s = commands.add_parser("scale", help="change pool sizes of a running splitserve app")
@@ -49,6 +57,7 @@ def add_parsers(commands) -> None:
 
 def load_config(args: argparse.Namespace):
     from splitserve.cluster.serve_config import ServeConfig
+    from splitserve.config import env
 
     values = ServeConfig.from_yaml(args.config or default_config_path()).to_dict()
     if args.model:
@@ -60,6 +69,9 @@ def load_config(args: argparse.Namespace):
     for key in ("host", "port"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
+    api_key = getattr(args, "api_key", None) or env("SPLITSERVE_API_KEY")
+    if api_key:
+        values["http"]["api_key"] = api_key
     _resize(values, args)
     return ServeConfig.from_dict(values)
 
@@ -78,17 +90,26 @@ def serve_main(args: argparse.Namespace) -> int:
     from ray import serve
 
     from splitserve.cluster.app import build_app
+    from splitserve.cluster.startup_checks import deployment_failure, fit_to_model
 
     try:
         config = load_config(args)
+        notes = fit_to_model(config)
     except (OSError, ValueError) as e:
-        print(f"splitserve serve: {e}")
+        print(f"splitserve serve: {e}", flush=True)
         return 2
+    for note in notes:
+        print(f"splitserve: {note}", flush=True)
     ray.init(address=args.address, namespace=config.app_name, log_to_driver=False)
     started_ray = args.address is None
     serve.start(http_options={"host": config.host, "port": config.port})
     try:
-        serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        try:
+            serve.run(build_app(config), name=config.app_name, route_prefix="/")
+        except Exception as e:  # a replica failed to start: its cause, once
+            cause = deployment_failure(config.app_name, e)
+            print(f"splitserve serve: the deployment failed: {cause}", flush=True)
+            return 1
         url = f"http://{config.host}:{config.port}/v1"
         address = ray.get_runtime_context().gcs_address
         print(f"splitserve: Ray cluster at {address}", flush=True)

@@ -29,6 +29,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "programmatic dependent launch between the Triton kernels on sm90+: 1 on, 0 off",
         "1",
     ),
+    "SPLITSERVE_API_KEY": (
+        "the key clients of `splitserve serve` must send as `Authorization: Bearer <key>` "
+        "(`--api-key` takes precedence; this over `http.api_key`); empty: no key",
+        "",
+    ),
 }
 
 

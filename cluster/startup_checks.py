@@ -1,0 +1,76 @@
+"""What ``splitserve serve`` checks in the driver before it deploys anything.
+
+A replica that fails in its constructor is retried by Ray Serve and its cause
+lands in the replica's log, so whatever can be known beforehand is checked
+here, where the error reaches the terminal once: the model (a checkpoint
+directory with config.json and its tokenizer, or a preset), its architecture,
+the context length, and whether the KV cache holds one request of that length.
+"""
+
+from __future__ import annotations
+
+import math
+
+from splitserve.cluster.serve_config import ServeConfig
+
+
+def fit_to_model(config: ServeConfig) -> list[str]:
+    """Check ``config`` against its model; lower ``scheduler.max_model_len`` to the model's
+    own context where the config asks for more. Returns notes on what was changed;
+    raises ValueError (or OSError) with the cause."""
+    from splitserve.workers.model.loader import load_hf_config
+    from splitserve.workers.model.registry import get_model_class
+    from splitserve.workers.model.tokenizer import load_tokenizer
+
+    engine = config.engine
+    hf_config, path = load_hf_config(engine.model)
+    get_model_class(hf_config.architectures)  # an architecture this server runs
+    if path is not None:
+        load_tokenizer(path)
+    notes = []
+    limit = hf_config.max_position_embeddings
+    scheduler = engine.scheduler
+    if scheduler.max_model_len is not None and scheduler.max_model_len > limit:
+        notes.append(
+            f"max_model_len {scheduler.max_model_len} is beyond the model's context "
+            f"(max_position_embeddings={limit}); serving with max_model_len {limit}"
+        )
+        scheduler.max_model_len = limit
+    max_model_len = scheduler.max_model_len or limit
+    blocks = engine.cache.num_kv_blocks
+    needed = math.ceil(max_model_len / engine.cache.block_size) + 1  # + the null page
+    if blocks is not None and blocks < needed:
+        raise ValueError(
+            f"cache.num_kv_blocks={blocks} cannot hold one request of max_model_len="
+            f"{max_model_len} ({needed} blocks of {engine.cache.block_size} tokens with "
+            "the null page): raise num_kv_blocks or lower scheduler.max_model_len"
+        )
+    return notes
+
+
+def deployment_failure(app_name: str, error: Exception) -> str:
+    """Why ``serve.run`` failed, in one line: the cause a failed replica reported (from
+    ``serve.status()``), else the error's own last line."""
+    from ray import serve
+
+    messages = []
+    try:
+        app = serve.status().applications.get(app_name)
+        deployments = app.deployments.values() if app is not None else []
+        messages = [d.message for d in deployments if d.message and d.status != "HEALTHY"]
+    except Exception:  # the controller may be gone too; fall back on the error
+        pass
+    return last_cause("\n".join(messages) or str(error))
+
+
+def last_cause(text: str) -> str:
+    """The last ``SomeError: message`` line of a traceback, else the text's last line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if _is_error_line(line)]
+    return (errors or lines or ["unknown error"])[-1]
+
+
+def _is_error_line(line: str) -> bool:
+    name, sep, _ = line.partition(": ")
+    name = name.rsplit(".", 1)[-1]
+    return bool(sep) and name.isidentifier() and name.endswith(("Error", "Exception"))

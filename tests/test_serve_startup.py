@@ -1,0 +1,88 @@
+"""``splitserve serve`` checks what it can in the driver before deploying: a checkpoint with
+a shorter context than the config asks for is served at its own, and an error that can be
+known beforehand reaches the terminal once, with its cause and a non-zero status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.cluster.serve_command import load_config
+from splitserve.cluster.startup_checks import fit_to_model, last_cause
+from tests import checkpoints
+
+
+def _args(**kwargs) -> argparse.Namespace:
+    fields = dict(
+        config=None, model=None, prefill=None, decode=None, mixed=None, host=None, port=None,
+        device=None, address=None, api_key=None,
+    )  # fmt: skip
+    return argparse.Namespace(**{**fields, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def short_context_model(tmp_path_factory):
+    path = checkpoints.write_qwen3(tmp_path_factory.mktemp("short-context"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    return path
+
+
+def test_a_model_with_a_shorter_context_is_served_at_its_own(short_context_model):
+    config = load_config(_args(model=str(short_context_model)))
+    assert config.engine.scheduler.max_model_len == 1024  # the default config's
+    notes = fit_to_model(config)
+    assert config.engine.scheduler.max_model_len == 256
+    assert notes == [
+        "max_model_len 1024 is beyond the model's context (max_position_embeddings=256); "
+        "serving with max_model_len 256"
+    ]
+    assert config.to_dict()["engine"]["scheduler"]["max_model_len"] == 256
+
+
+def test_what_the_driver_can_know_it_checks(short_context_model, tmp_path):
+    config = load_config(_args(model=str(short_context_model)))
+    config.engine.cache.num_kv_blocks = 8
+    with pytest.raises(ValueError, match="num_kv_blocks=8 cannot hold one request of max_model"):
+        fit_to_model(config)
+    (tmp_path / "config.json").write_text((short_context_model / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        fit_to_model(load_config(_args(model=str(tmp_path))))
+
+
+def test_the_api_key_comes_from_the_flag_then_the_environment(monkeypatch):
+    assert load_config(_args()).http.api_key is None
+    monkeypatch.setenv("SPLITSERVE_API_KEY", "from-env")
+    assert load_config(_args()).http.api_key == "from-env"
+    assert load_config(_args(api_key="from-flag")).http.api_key == "from-flag"
+
+
+def test_a_bad_model_fails_before_ray_starts_with_one_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and "is a directory without config.json" in lines[0], result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_a_replica_failure_is_told_by_its_cause():
+    text = (
+        "The deployment failed to start 3 times in a row.\nTraceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\nray.exceptions.RayTaskError(ValueError): ray::Replica\n'
+        "ValueError: device 'cuda' was asked for, but torch sees no CUDA GPU; use --device cpu"
+    )
+    assert last_cause(text) == (
+        "ValueError: device 'cuda' was asked for, but torch sees no CUDA GPU; use --device cpu"
+    )
+    assert last_cause("Failed to update the deployments ['prefill']") == (
+        "Failed to update the deployments ['prefill']"
+    )
