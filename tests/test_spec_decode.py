@@ -269,3 +269,41 @@ def test_penalties_are_served_without_drafts(agreeing_glm):
     eng = engine(agreeing_glm, 2)
     assert generate(eng, batch, sp) == expected
     assert eng.spec_stats.num_draft_tokens == 0
+
+
+# ---- sampling
+
+
+def test_sampled_token_frequencies_match_decoding_without_speculation(agreeing_glm):
+    """Temperature 1 over the top 3 tokens, many draws of one prompt: the joint frequency
+    of the 2nd and 3rd tokens (emitted by verify steps, drafts accepted and rejected) is
+    within sampling noise of decoding without MTP."""
+    n, prompt = 320, prompts()[1]
+    sp = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    freqs = []
+    for k in (0, 2):
+        eng = engine(agreeing_glm, k, num_kv_blocks=512, max_num_seqs=128)
+        out = generate(eng, [prompt] * n, sp)
+        pairs = [tuple(t[1:]) for t in out.values()]
+        freqs.append({p: pairs.count(p) / n for p in set(pairs)})
+        if k:
+            assert 0 < eng.spec_stats.num_accepted_tokens < eng.spec_stats.num_draft_tokens
+    support = set(freqs[0]) | set(freqs[1])
+    distance = sum(abs(freqs[0].get(p, 0) - freqs[1].get(p, 0)) for p in support) / 2
+    assert distance < 0.15, (distance, freqs)
+
+
+def test_a_seeded_request_gives_the_same_tokens_whatever_the_batch(context_glm):
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    batch = prompts()
+    alone = generate(engine(context_glm, 2), batch[1:2], sp)["r0"]
+    others = SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)
+    eng = engine(context_glm, 2)
+    for i, p in enumerate(batch):
+        eng.add_request(f"o{i}", p, sp if i == 1 else others)
+    tokens = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    assert tokens["o1"] == alone
+    assert eng.spec_stats.num_draft_tokens > 0
