@@ -215,6 +215,9 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
         out["served_vs_engine_runs"] = [
             t / e["output_throughput"] for t, e in zip(throughputs, engine["runs"])
         ]
+        tpot = out["summary"]["tpot_ms"]["p50"]
+        if engine.get("decode_step_ms") and tpot:  # the decode GPU, served against alone
+            out["decode_step_vs_tpot"] = engine["decode_step_ms"] / tpot
     out["runs"] = runs
     return out
 
@@ -319,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for config, url in targets:
         report["configs"].append(bench_target(args, config, url))
+        report["configs"][-1]["slo_rate"] = serve_report.slo_rate(report["configs"][-1])
     serve_report.print_tables(report)
     if args.json:
         serve_report.write_json(args.json, report)

@@ -16,6 +16,10 @@ the CPU or GPU. SPEC (written by ``engine_baseline``)::
   with the scheduler's ``max_num_seqs`` lowered to the point's (the serving
   point's concurrency): output and total tokens/s over the call's wall time;
   the point's figures are the median run's (by output tokens/s), with ``runs``;
+- decoding alone, for a closed-loop point: the first run's prompts all added, stepped
+  until each has its first token, then ``DECODE_STEPS`` steps timed: the engine's
+  decode step at the point's batch (``decode_step_ms``, ``decode_batch``), what a
+  decode worker's served TPOT is compared with;
 - TTFT: one request at a time through the ``LLM``'s engine step loop
   (``llm.engine.add_request`` then ``step()``), from adding it to the step that
   returns its first token.
@@ -85,6 +89,31 @@ def run_point(llm, prompts: list, max_tokens: list[int]) -> dict:
     }
 
 
+DECODE_STEPS = 32
+
+
+def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
+    """The engine's decode step with every prompt of a batch decoding (prompts computed)."""
+    from splitserve import SamplingParams
+
+    engine, started = llm.engine, set()
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+        engine.add_request(f"decode-{i}", prompt, params)
+    while len(started) < len(prompts):
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    batch = len(engine.scheduler.running)
+    start = time.perf_counter()
+    for _ in range(DECODE_STEPS):
+        engine.step()
+    seconds = (time.perf_counter() - start) / DECODE_STEPS
+    for i in range(len(prompts)):
+        engine.abort_request(f"decode-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"decode_batch": batch, "decode_step_ms": seconds * 1e3}
+
+
 def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> list[float]:
     """Seconds from ``add_request`` to the step that returns the first token, one at a time."""
     from splitserve import SamplingParams
@@ -127,6 +156,11 @@ def main(spec_path: str, out_path: str) -> None:
         runs = [run_point(llm, r["prompts"], r["max_tokens"]) for r in point["runs"]]
         median = sorted(runs, key=lambda r: r["output_throughput"])[(len(runs) - 1) // 2]
         report["points"][point["label"]] = {**median, "max_num_seqs": n, "runs": runs}
+        if point["max_num_seqs"] is not None:  # closed loop: its batch decoding alone
+            first = point["runs"][0]
+            report["points"][point["label"]].update(
+                decode_step(llm, first["prompts"][:n], first["max_tokens"][:n])
+            )
     if spec.get("ttft"):
         llm, _ = llm_for(None)
         ttft = spec["ttft"]

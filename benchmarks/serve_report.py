@@ -26,7 +26,7 @@ def print_tables(report: dict) -> None:
     print(f"\nPrompts: {report['workload']}; {args['num_prompts']} requests a load point.")
     slo = f"TTFT <= {args['slo_ttft_ms']} ms, TPOT <= {args['slo_tpot_ms']} ms (None: no SLO)"
     print(f"Goodput: completed requests meeting {slo}.\n")
-    rows, latency, low = [], [], []
+    rows, latency, low, decode = [], [], [], []
     for c in report["configs"]:
         for p in c["points"]:
             s = p["summary"]
@@ -40,6 +40,10 @@ def print_tables(report: dict) -> None:
             )
             for m in LATENCIES:
                 latency.append([c["label"], p["label"], m[:-3].upper(), *s[m].values()])
+            if "decode_step_vs_tpot" in p:
+                e = p["engine"]
+                decode.append([c["label"], p["label"], e["decode_batch"], e["decode_step_ms"]])
+                decode[-1] += [s["tpot_ms"]["p50"], p["decode_step_vs_tpot"]]
         if "low_load_ttft" in c:
             t = c["low_load_ttft"]
             served, engine = t["served_ttft_ms"], t.get("engine_ttft_ms") or {}
@@ -51,10 +55,34 @@ def print_tables(report: dict) -> None:
     roofline.print_table(columns, rows)
     print("\nLatency (ms):")
     roofline.print_table(["config", "load", "metric", "mean", "p50", "p90", "p99"], latency)
+    if decode:
+        print("\nDecoding: the engine's decode step at the point's batch, alone, against the")
+        print("served TPOT p50 (step/TPOT: the decode GPU's served rate over its rate alone):")
+        columns = ["config", "load", "batch", "engine step ms", "served TPOT p50", "step/TPOT"]
+        roofline.print_table(columns, decode)
+    has_slo = args["slo_ttft_ms"] is not None or args["slo_tpot_ms"] is not None
+    attained = [slo_rate(c) for c in report["configs"]] if has_slo else []
+    if any(r is not None for r in attained):
+        print(f"\nHighest request rate with >= {GOOD_SHARE:.0%} of requests within the SLO:")
+        rows = [[c["label"], r] for c, r in zip(report["configs"], attained)]
+        roofline.print_table(["config", "req/s"], rows)
     if low:
         print("\nTTFT at low load, one request at a time (ms):")
         columns = ["config", "requests", "served p50", "engine p50", "added p50"]
         roofline.print_table(columns + ["served p90", "engine p90"], low)
+
+
+GOOD_SHARE = 0.9  # a rate is attained when this share of its requests meets the SLO
+
+
+def slo_rate(config: dict) -> float | None:
+    """The highest open-loop rate at which ``GOOD_SHARE`` of requests met the SLO
+    (DistServe's SLO attainment), or None without rate points or SLOs."""
+    rates = [p for p in config["points"] if p["mode"] == "rate" and p["value"] != math.inf]
+    if not rates:
+        return None
+    good = [p["value"] for p in rates if p["summary"]["goodput_fraction"] >= GOOD_SHARE]
+    return max(good, default=0.0)
 
 
 def write_json(path: Path, report: dict) -> None:
