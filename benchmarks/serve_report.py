@@ -8,6 +8,7 @@ request's record on one line; ``plot`` needs matplotlib and is skipped without i
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -86,7 +87,8 @@ def slo_rate(config: dict) -> float | None:
 
 
 def write_json(path: Path, report: dict) -> None:
-    """Indented JSON with each request's record on one line; NaN and inf become null."""
+    """Indented JSON with each request's record on one line; NaN and inf become null;
+    gzipped when ``path`` ends in ``.gz`` (the per-request records run to megabytes)."""
     records: dict[str, str] = {}
 
     def shrink(value):
@@ -105,7 +107,11 @@ def write_json(path: Path, report: dict) -> None:
 
     text = json.dumps(shrink(report), indent=2, allow_nan=False)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(re.sub(r'"(@request\d+@)"', lambda m: records[m.group(1)], text) + "\n")
+    text = re.sub(r'"(@request\d+@)"', lambda m: records[m.group(1)], text) + "\n"
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
 
 
 def plot(path: Path, report: dict) -> None:
