@@ -43,6 +43,7 @@ from splitserve.cluster.openai_api import (
     sse_stream,
 )
 from splitserve.cluster.openai_api.intake import RequestIntake
+from splitserve.cluster.openai_api.openapi import describe
 from splitserve.cluster.serve_config import ServeConfig
 from splitserve.cluster.stats_board import get_or_create_board
 from splitserve.cluster.worker_calls import WorkerBusy, WorkerFailed, guard, watch_prefill
@@ -55,6 +56,7 @@ from splitserve.workers.output.request_output import RequestOutput
 
 logger = logging.getLogger(__name__)
 app = FastAPI(title="splitserve")
+describe(app)  # /openapi.json names the request bodies and errors
 
 MAX_ATTEMPTS = 2  # a worker failure before the first token is retried once
 MAX_BUSY_RETRIES = 16  # workers answering Overloaded (their load reports lagged)
