@@ -277,6 +277,28 @@ class EngineConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
+@dataclass
+class ParallelConfig:
+    """How many devices one engine spans (``workers/parallel``).
+
+    ``expert_parallel_size: N``: the engine is an expert-parallel group of N ranks, each
+    a process (on a GPU, each its own device, from the engine's device on): attention
+    data-parallel (each rank schedules its own requests and owns its KV cache), a MoE
+    model's routed experts sharded E/N a rank, everything else replicated. The number of
+    routed experts must be a multiple of N, and on a GPU the host must have the N GPUs.
+    """
+
+    expert_parallel_size: int = 1
+
+    def check(self) -> None:
+        n = self.expert_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(
+                f"invalid parallel.expert_parallel_size={n!r}: must be an integer >= 1 "
+                "(1: the whole model on one device)"
+            )
+
+
         resolve_dtype(self.dtype)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"invalid load_format={self.load_format!r}: must be auto or dummy")
@@ -293,6 +315,7 @@ class EngineConfig:
 
     @property
     def num_speculative_tokens(self) -> int:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
         """Draft tokens a request verifies per step; 0 without speculative decoding."""
         spec = self.speculative_config
         return 0 if spec is None else spec.num_speculative_tokens
@@ -307,6 +330,7 @@ class EngineConfig:
             "cuda_graph": CudaGraphConfig,
             "kernels": KernelConfig,
             "speculative_config": SpeculativeConfig,
+        self.parallel.check()
             "limits": RequestLimits,
         }
         kwargs: dict[str, Any] = {}
@@ -326,6 +350,7 @@ def known_keys(cls: type, values: dict[str, Any], prefix: str = "") -> dict[str,
         raise ValueError(f"config section '{prefix.rstrip('.') or cls.__name__}' must be a mapping")
     names = {f.name for f in dataclasses.fields(cls)}
     for key in values:
+            "parallel": ParallelConfig,
         if key not in names:
             raise ValueError(
                 f"unknown config key '{prefix}{key}'; accepted: {', '.join(sorted(names))}"

@@ -13,7 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
 from splitserve.workers.engine.llm_engine import LLMEngine
@@ -24,14 +24,17 @@ PromptType = str | list[int] | dict[str, Any]
 
 class LLM:
     def __init__(self, model: str = "qwen3-tiny", **kwargs: Any):
-        """``kwargs`` are EngineConfig fields; cache and scheduler fields may be given flat."""
-        cache = {k: kwargs.pop(k) for k in list(kwargs) if k in CacheConfig.__dataclass_fields__}
-        sched = {
-            k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__
-        }
-        config = EngineConfig.from_dict(
-            {"model": model, "cache": cache, "scheduler": sched, **kwargs}
-        )
+        """``kwargs`` are EngineConfig fields; cache, scheduler and parallel fields (e.g.
+        ``expert_parallel_size=2``) may be given flat."""
+        sections = {}
+        for name, section in (
+            ("cache", CacheConfig),
+            ("scheduler", SchedulerConfig),
+            ("parallel", ParallelConfig),
+        ):
+            flat = {k: kwargs.pop(k) for k in list(kwargs) if k in section.__dataclass_fields__}
+            sections[name] = {**kwargs.pop(name, {}), **flat}
+        config = EngineConfig.from_dict({"model": model, **sections, **kwargs})
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

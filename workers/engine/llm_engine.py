@@ -50,6 +50,9 @@ from splitserve.workers.model.loader import load_checkpoint, load_hf_config, loa
 from splitserve.workers.model.tokenizer import load_tokenizer, tiny_tokenizer
 from splitserve.workers.output.processor import OutputProcessor
 from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
+from splitserve.workers.parallel.front import GroupFront, start_group
+from splitserve.workers.parallel.group import GroupMember, tokens_per_expert
+from splitserve.workers.parallel.lockstep import Lockstep
 from splitserve.workers.runner.model_runner import GraphLimits, LaunchedStep, ModelRunner
 from splitserve.workers.sampling.sampler import Sampler, TokenLogprobs
 from splitserve.workers.spec_decode.mtp_proposer import MTPProposer
@@ -67,9 +70,18 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, delta_outputs: bool = False, **transport_options):
+    def __init__(
+        self,
+        config: EngineConfig,
+        delta_outputs: bool = False,
+        member: GroupMember | None = None,
+        **transport_options,
+    ):
         """``delta_outputs``: each output holds only what is new (for streams).
 
+        With ``parallel.expert_parallel_size`` N > 1 this engine is rank 0 of an
+        expert-parallel group and starts ranks 1..N-1 (``workers/parallel``), which
+        construct their engines with their ``member``ship.
         ``transport_options`` go to the KV transport (``owner``, NCCL's ``rendezvous``).
         """
         self.config = config
@@ -78,6 +90,10 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype)
         self.hf_config, path = load_hf_config(config.model)
         self.tokenizer = load_tokenizer(path) if path is not None else tiny_tokenizer()
+        self.ep_front: GroupFront | None  # rank 0 of an expert-parallel group: the others
+        self.ep_front, member = start_group(
+            config, self.hf_config, self.device, member, delta_outputs
+        )
         model = load_model(
             self.hf_config,
             path,
@@ -85,7 +101,9 @@ class LLMEngine:
             self.device,
             seed=config.seed,
             load_format=config.load_format,
+            expert_shard=member.expert_shard(self.hf_config) if member else None,
         )
+        lockstep = Lockstep.join(member, model, self.device, self.role) if member else None
         self.max_model_len = admission.max_model_len(config, self.hf_config)
         self.eos_token_ids = admission.eos_token_ids(self.hf_config, self.tokenizer)
         kv_layout = model.kv_layout.with_storage(config.cache.block_size, dtype)
@@ -120,7 +138,14 @@ class LLMEngine:
                 self.max_model_len,
             )
         self.runner = ModelRunner(
-            model, self.kv_cache, backend, self.sampler, self.device, graph_limits, speculator
+            model,
+            self.kv_cache,
+            backend,
+            self.sampler,
+            self.device,
+            graph_limits,
+            speculator,
+            lockstep,
         )
         self.output_processor = OutputProcessor(
             self.tokenizer, self.max_model_len, delta=delta_outputs
@@ -143,6 +168,8 @@ class LLMEngine:
             self.async_scheduling = False
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
         self.runner.capture_graphs()
+        if self.ep_front is not None:
+            self.ep_front.wait_ready()
         logger.info(
             "%s engine ready: %s on %s, %s attention, %d KV blocks of %d tokens, "
             "max_model_len %d, CUDA graphs %s",
@@ -171,6 +198,10 @@ class LLMEngine:
         decode worker and the request ends once that worker has it.
         """
         request, text = self._new_request(request_id, prompt, params)
+        if self.ep_front is not None and kv_ticket is None:
+            load = len(self.scheduler.requests)
+            if self.ep_front.place_elsewhere(request_id, prompt, params, load):
+                return request  # another rank of the group computes it
         if kv_ticket is not None:
             if self.handoff is None:
                 raise InvalidRequestError(f"a {self.role} worker has no KV transport to send with")
@@ -204,6 +235,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Abort at any point; the request's KV blocks return to the pool."""
+        if self.ep_front is not None and self.ep_front.abort(request_id):
+            return True
         if self.handoff is not None:  # before its blocks can be reused
             self.handoff.scheduler.cancel(request_id)
         aborted = self.scheduler.abort_request(request_id)
@@ -211,11 +244,28 @@ class LLMEngine:
         return aborted
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self._in_flight is not None
+            or (self.ep_front is not None and self.ep_front.has_unfinished())
+        )
 
     def has_runnable_requests(self) -> bool:
         """Work for ``step`` right now; False while every request waits on a transfer."""
-        return self.scheduler.has_runnable_requests() or self._in_flight is not None
+        return (
+            self.scheduler.has_runnable_requests()
+            or self._in_flight is not None
+            or (self.ep_front is not None and self.ep_front.has_unfinished())
+        )
+
+    def expert_tokens(self) -> list[list[int]]:
+        """Expert parallelism: per rank, the (token, expert) pairs each of its experts
+        computed so far (rank r holds experts ``r * E/N ..``; the other ranks' as last
+        reported); [] without it. Waits for the device."""
+        if self.runner.lockstep is None:
+            return []
+        peers = self.ep_front.peer_expert_tokens() if self.ep_front is not None else []
+        return [tokens_per_expert(self.runner.model), *peers]
 
     # -- weights -------------------------------------------------------------
 
@@ -243,6 +293,8 @@ class LLMEngine:
     def close(self) -> None:
         if self.handoff is not None:
             self.handoff.close()
+        if self.ep_front is not None:
+            self.ep_front.close()
 
     def _new_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None
@@ -273,11 +325,19 @@ class LLMEngine:
 
         With async scheduling the device computes step i + 1 while the host
         turns step i's tokens into outputs; without it, each step is read back
-        before ``step`` returns.
+        before ``step`` returns. Rank 0 of an expert-parallel group steps the other
+        ranks with it and returns their outputs too.
         """
+        if self.ep_front is None:
+            return self._step()
+        self.ep_front.start_step()
+        return self.ep_front.finish_step(self._step())
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        lockstep = self.runner.lockstep is not None  # every call is one step of the group
         outputs = self._handle_transfers()
-        if any(o.new_token_ids for o in outputs):
+        if any(o.new_token_ids for o in outputs) and not lockstep:
             return outputs  # first tokens that arrived go out now, not after a forward
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
@@ -285,6 +345,8 @@ class LLMEngine:
             outputs += self._read_back(self._in_flight)
             self._in_flight = None
             batch = batch.without_finished()
+        if batch.is_empty and lockstep:
+            self.runner.idle_step()  # a dummy step where another rank has work
         launched = self._launch(batch) if not batch.is_empty else None
         if self._in_flight is not None:
             outputs += self._read_back(self._in_flight)

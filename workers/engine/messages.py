@@ -211,6 +211,10 @@ class WorkerStats:
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     num_steps: int = 0  # engine steps so far (progress, for a watchdog)
+    # Expert parallelism (load balance): per rank, the (token, expert) pairs each of its
+    # routed experts computed so far (rank r holds experts r * E/N ..); [] without it.
+    # ``LLMEngine.expert_tokens()``.
+    expert_tokens: list[list[int]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,6 +18,7 @@ from splitserve.workers.model import weights as wmap
 from splitserve.workers.model.layers.decoder import DecoderLayer, RopeAttention
 from splitserve.workers.model.layers.embedding import LMHead, VocabEmbedding
 from splitserve.workers.model.layers.layernorm import RMSNorm
+from splitserve.workers.model.layers.moe import ExpertShard
 from splitserve.workers.model.layers.rotary_embedding import RotaryEmbedding, get_rope
 from splitserve.workers.runner.forward_batch import ForwardBatch
 
@@ -52,8 +53,10 @@ class CausalLM(nn.Module):
     qk_norm: bool = False  # per-head RMSNorm of q and k before rotary (Qwen3; GLM: use_qk_norm)
     o_proj_bias: bool = True  # o_proj has a bias when config.attention_bias (GLM: never)
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, expert_shard: ExpertShard | None = None):
+        """``expert_shard``: an expert-parallel rank's routed experts (None: all of them)."""
         super().__init__()
+        self.expert_shard = expert_shard
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; supported: silu")
         self.config = config
@@ -121,6 +124,15 @@ class CausalLM(nn.Module):
 
     def model_to_checkpoint(self, name: str) -> str:
         return name
+
+    def holds_elsewhere(self, ckpt_name: str) -> bool:
+        """A per-expert checkpoint tensor of an expert another expert-parallel rank holds
+        (the loader does not read it)."""
+        name = self.checkpoint_to_model(ckpt_name)
+        if self.expert_shard is None or name is None:
+            return False
+        _, shard = wmap.param_target(name)
+        return isinstance(shard, tuple) and shard[1] not in (None, *self.expert_shard.ids)
 
     def is_optional(self, param_name: str) -> bool:
         """Parameters a checkpoint may leave out."""

@@ -20,7 +20,7 @@ from splitserve.workers.model.layers.embedding import LMHead, VocabEmbedding
 from splitserve.workers.model.layers.layernorm import RMSNorm
 from splitserve.workers.model.layers.linear import Linear
 from splitserve.workers.model.layers.mlp import GatedMLP
-from splitserve.workers.model.layers.moe import GroupedTopKRouter, MoEBlock
+from splitserve.workers.model.layers.moe import ExpertShard, GroupedTopKRouter, MoEBlock
 from splitserve.workers.runner.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ class MTPLayer(DecoderLayer):
 class Glm4MoeForCausalLM(CausalLM):
     o_proj_bias = False
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    def __init__(self, config: Any, expert_shard: ExpertShard | None = None):
+        super().__init__(config, expert_shard)
         n = config.num_hidden_layers
         self.mtp: MTPLayer | None = None
         if (getattr(config, "num_nextn_predict_layers", 0) or 0) >= 1:
@@ -85,7 +85,14 @@ class Glm4MoeForCausalLM(CausalLM):
             c.routed_scaling_factor,
         )
         shared = c.moe_intermediate_size * c.n_shared_experts
-        return MoEBlock(gate, c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, shared)
+        return MoEBlock(
+            gate,
+            c.n_routed_experts,
+            c.hidden_size,
+            c.moe_intermediate_size,
+            shared,
+            shard=self.expert_shard,
+        )
 
     @property
     def num_kv_layers(self) -> int:

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, PretrainedConfig
 
 from splitserve.workers.model.layers.layernorm import RMSNorm
+from splitserve.workers.model.layers.moe import ExpertShard
 from splitserve.workers.model.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -62,10 +63,13 @@ def load_model(
     device: torch.device | str,
     seed: int = 0,
     load_format: str = "auto",
+    expert_shard: ExpertShard | None = None,
 ) -> nn.Module:
+    """``expert_shard``: an expert-parallel rank's routed experts, the only ones allocated,
+    read and loaded (None: all)."""
     model_class = get_model_class(hf_config.architectures)
     with _default_dtype(dtype), torch.device(device):
-        model = model_class(hf_config)
+        model = model_class(hf_config, expert_shard=expert_shard)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     elif path is None:
@@ -93,15 +97,19 @@ def checkpoint_files(path: Path) -> list[Path]:
 def load_checkpoint(model: nn.Module, path: Path) -> None:
     files = checkpoint_files(path)
     seen: set[str] = set()
+    elsewhere: set[str] = set()  # experts other expert-parallel ranks hold: not read
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for file in tqdm(files, desc=f"Loading {path.name}", unit="shard"):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     seen.add(name)
+                    if model.holds_elsewhere(name):
+                        elsewhere.add(name)
+                        continue
                     yield name, f.get_tensor(name)
 
-    taken = model.load_weights(tensors())
+    taken = model.load_weights(tensors()) | elsewhere
     if missing := sorted(model.expected_weights() - taken):
         raise ValueError(
             f"checkpoint {path} is missing {len(missing)} weights the model needs: "
@@ -127,12 +135,16 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     for name, tensor in model.weight_tensors().items():
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        shard = getattr(tensor, "expert_shard", None)  # draw every expert, keep the rank's
+        shape = tensor.shape if shard is None else (shard.total, *tensor.shape[1:])
         if id(tensor) in norms:
-            values = np.ones(tensor.shape, dtype=np.float32)
+            values = np.ones(shape, dtype=np.float32)
         elif name.endswith("e_score_correction_bias"):
-            values = rng.uniform(0.0, 0.1, tensor.shape).astype(np.float32)
+            values = rng.uniform(0.0, 0.1, shape).astype(np.float32)
         else:
-            values = rng.standard_normal(tensor.shape, dtype=np.float32) * INIT_STD
+            values = rng.standard_normal(shape, dtype=np.float32) * INIT_STD
+        if shard is not None:
+            values = values[shard.first : shard.first + shard.count]
         tensor.data.copy_(torch.from_numpy(values))
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from splitserve.workers.model.base import CausalLM
 from splitserve.workers.model.layers.mlp import GatedMLP
+from splitserve.workers.model.layers.moe import ExpertShard
 
 
 def check_full_attention(config: Any) -> None:
@@ -23,9 +24,9 @@ def check_full_attention(config: Any) -> None:
 class Qwen3ForCausalLM(CausalLM):
     qk_norm = True
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, expert_shard: ExpertShard | None = None):
         check_full_attention(config)
-        super().__init__(config)
+        super().__init__(config, expert_shard)
 
     def make_mlp(self, layer_id: int) -> nn.Module:
         c = self.config
@@ -35,7 +36,7 @@ class Qwen3ForCausalLM(CausalLM):
 class LlamaForCausalLM(Qwen3ForCausalLM):
     qk_norm = False
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, expert_shard: ExpertShard | None = None):
         if getattr(config, "mlp_bias", False):
             raise ValueError("Llama with mlp_bias=true is not supported")
-        super().__init__(config)
+        super().__init__(config, expert_shard)

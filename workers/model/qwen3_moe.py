@@ -27,4 +27,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if not self.is_sparse(layer_id):
             return GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act)
         gate = SoftmaxRouter(c.hidden_size, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
-        return MoEBlock(gate, c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        return MoEBlock(
+            gate, c.num_experts, c.hidden_size, c.moe_intermediate_size, shard=self.expert_shard
+        )

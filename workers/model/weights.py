@@ -52,11 +52,9 @@ def checkpoint_names(param_name: str, param: torch.Tensor) -> list[str]:
     ):
         if param_name.endswith(suffix):
             prefix = param_name[: -len(suffix)]
-            return [
-                f"{prefix}.experts.{e}.{p}_proj.weight"
-                for e in range(param.shape[0])
-                for p in parts
-            ]
+            shard = getattr(param, "expert_shard", None)  # expert parallelism: a rank's experts
+            experts = shard.ids if shard is not None else range(param.shape[0])
+            return [f"{prefix}.experts.{e}.{p}_proj.weight" for e in experts for p in parts]
     for ours in (".qkv_proj.", ".gate_up_proj."):
         if ours in param_name:
             return [param_name.replace(ours, c) for c, o, _ in STACKED if o == ours]

@@ -13,6 +13,7 @@ again at the next step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ from splitserve.scheduler.request import PLACEHOLDER, Request
 from splitserve.scheduler.scheduler import SchedulerOutput, will_sample
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.parallel.lockstep import GroupStep, Lockstep, StepHeader, dummy_step
 from splitserve.workers.runner.cuda_graphs.decode_runner import DecodeGraphRunner
 from splitserve.workers.runner.cuda_graphs.owner import GraphOwner
 from splitserve.workers.runner.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
@@ -92,10 +94,13 @@ class ModelRunner:
         device: torch.device,
         graph_limits: GraphLimits | None = None,
         speculator: Speculator | None = None,
+        lockstep: Lockstep | None = None,
     ):
         """``graph_limits`` (on a CUDA device) turns CUDA graphs on; ``speculator``
-        verifies drafts and proposes the next ones (MTP speculative decoding)."""
+        verifies drafts and proposes the next ones (MTP speculative decoding);
+        ``lockstep``: this rank's part in its expert-parallel group's steps."""
         self.model = model
+        self.lockstep = lockstep
         self.speculator = speculator
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
@@ -116,11 +121,17 @@ class ModelRunner:
         ]
         if decode_sizes and self.attn_backend.supports_decode_graphs(decode_sizes[-1], max_blocks):
             self.decode_graphs = DecodeGraphRunner(
-                self.model, self.attn_backend, self.kv_cache, decode_sizes, max_blocks, self.device
+                self.model,
+                self.attn_backend,
+                self.kv_cache,
+                decode_sizes,
+                max_blocks,
+                self.device,
+                expert_parallel=self.lockstep is not None,
             )
             owner.register(self.decode_graphs)
         prefill_sizes = [n for n in config.prefill_sizes if n <= limits.max_num_batched_tokens]
-        if config.piecewise and prefill_sizes:
+        if config.piecewise and prefill_sizes and self.lockstep is None:  # EP: eager prefill
             owner.register(
                 PiecewiseGraphRunner(
                     self.model, self.attn_backend, self.kv_cache, prefill_sizes, self.device
@@ -157,18 +168,21 @@ class ModelRunner:
         if self.speculator is not None:
             return self._launch_speculative(batch, steps, on_layer_stored)
         graphs = self.decode_graphs
-        if graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps):
+        replay = graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps)
+        group = self._group_step(steps, replay)
+        if replay and (group is None or group.graph_size is not None):
             self.capture_graphs()
             sources = _pending_sources(steps, batch.requests, previous)
             in_flight = previous.tokens.token_ids if previous and previous.tokens else None
-            hidden, fb = graphs.replay_steps(steps, sources, in_flight)
+            size = group.graph_size if group is not None else None
+            hidden, fb = graphs.replay_steps(steps, sources, in_flight, size)
         else:
             fb = build_forward_batch(
                 steps, self.kv_cache, self.attn_backend, self.device, plan=False
             )
             _feed_pending_tokens(fb, steps, batch.requests, previous)
             fb.on_layer_stored = on_layer_stored
-            hidden = self.forward(fb)
+            hidden = self.forward(fb, group=group)
         logits = self.model.compute_logits(fb.sampled_hidden(hidden))
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         tokens = self.sampler.sample(logits, sampling) if sampling else None
@@ -195,15 +209,44 @@ class ModelRunner:
         )
         return LaunchedStep(batch, sampling, None, fb.num_tokens - decode, decode, speculative=spec)
 
-    def forward(self, fb: ForwardBatch, use_graphs: bool = True) -> torch.Tensor:
-        """Hidden states of the step's tokens: a graph replay where one fits, else eager."""
-        if self.graphs is not None and use_graphs:
+    def forward(
+        self, fb: ForwardBatch, use_graphs: bool = True, group: GroupStep | None = None
+    ) -> torch.Tensor:
+        """Hidden states of the step's tokens: a graph replay where one fits, else eager.
+        ``group``: the expert-parallel group's step (eager, its MoE dispatch planned)."""
+        if self.graphs is not None and use_graphs and group is None:
             self.capture_graphs()
             runner = self.graphs.runner_for(fb)
             if runner is not None:
                 return runner.forward(fb)
         plan_forward(fb)
+        if group is not None:
+            fb.plan = dataclasses.replace(fb.plan, moe_dispatch=group.dispatch(fb.slot_mapping))
         return self.model(fb.input_ids, fb.positions, fb)
+
+    # -- expert parallelism ----------------------------------------------------
+
+    def _group_step(self, steps: list[StepRequest], replay: bool) -> GroupStep | None:
+        """The group's agreement on this step (None: no expert parallelism)."""
+        if self.lockstep is None:
+            return None
+        return self.lockstep.exchange(StepHeader.of(steps, replay), self._graph_sizes())
+
+    def _graph_sizes(self) -> list[int]:
+        return self.decode_graphs.sizes if self.decode_graphs is not None else []
+
+    @torch.inference_mode()
+    def idle_step(self) -> None:
+        """A rank of an expert-parallel group with no work: its part of the group's step,
+        a dummy forward (padding rows only, nothing stored or sent) if any rank has work."""
+        group = self.lockstep.exchange(StepHeader.idle(), self._graph_sizes())
+        if not group.runs:
+            return
+        if group.graph_size is not None:
+            self.capture_graphs()
+            self.decode_graphs.replay_padding(group.graph_size)
+            return
+        self.forward(dummy_step(self.kv_cache, self.attn_backend, self.device), group=group)
 
     # -- weights -------------------------------------------------------------
 

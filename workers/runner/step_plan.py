@@ -20,18 +20,26 @@ step, after the attention backend planned the step, and the plan rides on the
 
 A CUDA-graph runner plans the batch of the size it captures, so a replay runs what
 that size's eager step would.
+
+Under expert parallelism the plan also carries how the step's MoE layers move tokens
+between the ranks (``moe_dispatch``: the mode and capacity every rank of the group
+agreed on for this step, ``workers/parallel/lockstep.py``).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from splitserve.kernels import ops
 from splitserve.workers.attention.base import AttentionKernel
 from splitserve.workers.runner.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from splitserve.workers.parallel.dispatch import MoEDispatch
 
 
 class Activation(enum.Enum):
@@ -57,6 +65,8 @@ class StepPlan:
     # the qkv projection and attention, and the projection lets attention launch as it
     # starts; the attention kernel loads its first KV tile meanwhile (``pdl.py``).
     qkv_starts_attention: bool = False
+    # Expert parallelism: the step's dispatch mode and capacity; None: experts all here.
+    moe_dispatch: MoEDispatch | None = None
 
 
 def plan_step(forward_batch: ForwardBatch) -> StepPlan:

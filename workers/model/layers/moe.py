@@ -4,9 +4,17 @@ Experts are stacked into ``w13 [E, 2I, H]`` (gate rows, then up rows) and
 ``w2 [E, H, I]``; checkpoints carry them per expert
 (``experts.{e}.gate_proj.weight``, ...) or already stacked (transformers 5's
 ``experts.gate_up_proj`` / ``experts.down_proj``).
+
+Under expert parallelism (``workers/parallel``) a rank holds only its shard of the
+routed experts (``ExpertShard``), and the experts send each token to the ranks that
+hold its choices and sum what comes back (``Dispatcher``: dispatch, the local
+experts, combine), in the mode the step's plan says.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +23,9 @@ from splitserve.kernels.ops import fused_moe, noaux_tc_topk, softmax_topk
 from splitserve.workers.model.layers.layernorm import AddNorm
 from splitserve.workers.model.layers.mlp import GatedMLP
 from splitserve.workers.runner.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from splitserve.workers.parallel.dispatch import Dispatcher
 
 W13_SHARDS = {"w1": 0, "w3": 1}  # gate_proj, up_proj
 
@@ -74,23 +85,62 @@ class GroupedTopKRouter(nn.Module):
         )
 
 
-class Experts(nn.Module):
-    """Routed experts stacked: ``w13_weight [E, 2I, H]`` (gate | up), ``w2_weight [E, H, I]``."""
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts one expert-parallel rank holds: ``first .. first + count - 1``
+    of ``total``."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    first: int
+    count: int
+    total: int
+
+    @classmethod
+    def whole(cls, num_experts: int) -> ExpertShard:
+        return cls(0, num_experts, num_experts)
+
+    @property
+    def ids(self) -> range:
+        return range(self.first, self.first + self.count)
+
+
+class Experts(nn.Module):
+    """Routed experts stacked: ``w13_weight [E, 2I, H]`` (gate | up), ``w2_weight [E, H, I]``.
+
+    With a ``shard`` only its experts are allocated and loaded (``E`` = its count);
+    ``dispatcher`` (set when the rank joins its group) moves the tokens to them.
+    ``tokens_per_expert`` counts the (token, expert) pairs each local expert computed.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden: int, intermediate: int, shard: ExpertShard | None = None
+    ):
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
+        self.shard = shard or ExpertShard.whole(num_experts)
+        self.num_experts, self.intermediate = self.shard.count, intermediate
+        self.w13_weight = nn.Parameter(torch.empty(self.shard.count, 2 * intermediate, hidden))
+        self.w2_weight = nn.Parameter(torch.empty(self.shard.count, hidden, intermediate))
+        for param in (self.w13_weight, self.w2_weight):
+            param.weight_loader = self.weight_loader
+            param.expert_shard = self.shard
+        self.dispatcher: Dispatcher | None = None
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(self.shard.count, dtype=torch.long), persistent=False
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[str, int | None]
     ) -> None:
-        """``shard_id``: ``("w1" | "w3" | "w2", expert)`` or ``(name, None)`` for all experts."""
+        """``shard_id``: ``("w1" | "w3" | "w2", expert)`` or ``(name, None)`` for all experts;
+        experts outside this rank's shard are skipped."""
         name, expert = shard_id
-        target = param.data if expert is None else param.data[expert]
+        if expert is None:
+            target = param.data
+            if loaded.shape[0] == self.shard.total:
+                loaded = loaded[self.shard.first : self.shard.first + self.shard.count]
+        elif expert in self.shard.ids:
+            target = param.data[expert - self.shard.first]
+        else:
+            return
         if name in W13_SHARDS:
             n = self.intermediate
             target = target[..., W13_SHARDS[name] * n : (W13_SHARDS[name] + 1) * n, :]
@@ -102,9 +152,26 @@ class Experts(nn.Module):
         target.copy_(loaded)
 
     def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, plan: StepPlan
     ) -> torch.Tensor:
-        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        if self.dispatcher is None:
+            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        here = self.dispatcher.dispatch(x, topk_weights, topk_ids, plan.moe_dispatch)
+        self.count_tokens(here.topk_ids)
+        out = fused_moe(
+            here.hidden,
+            self.w13_weight,
+            self.w2_weight,
+            here.topk_weights,
+            here.topk_ids,
+            skip_negative_ids=True,
+        )
+        return self.dispatcher.combine(out, here)
+
+    def count_tokens(self, local_ids: torch.Tensor) -> None:
+        """Add the pairs each local expert got (id -1: none); no host sync."""
+        ids = local_ids.flatten().long()
+        self.tokens_per_expert.scatter_add_(0, ids.clamp(min=0), (ids >= 0).long())
 
 
 class MoEBlock(nn.Module):
@@ -117,10 +184,11 @@ class MoEBlock(nn.Module):
         hidden: int,
         intermediate: int,
         shared_intermediate: int = 0,  # 0: no shared experts
+        shard: ExpertShard | None = None,  # expert parallelism: this rank's routed experts
     ):
         super().__init__()
         self.gate = gate
-        self.experts = Experts(num_experts, hidden, intermediate)
+        self.experts = Experts(num_experts, hidden, intermediate, shard)
         self.shared_experts = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
 
     def forward(self, x: AddNorm, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +200,7 @@ class MoEBlock(nn.Module):
     def on_normed(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """The block on rows already normed."""
         topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_weights, topk_ids)
+        out = self.experts(x, topk_weights, topk_ids, plan)
         if self.shared_experts is not None:
             out = out + self.shared_experts.on_normed(x, plan)
         return out

@@ -35,6 +35,7 @@ from splitserve.kernels.decode_inputs import POSITION, SEQ_LEN, SLOT, SOURCE, ST
 from splitserve.scheduler.block_manager import NULL_BLOCK
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.parallel.dispatch import DispatchMode, MoEDispatch
 from splitserve.workers.runner.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner, bucket
 from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
 from splitserve.workers.runner.input_batch import StepRequest, padded_block_tables
@@ -68,13 +69,18 @@ class DecodeGraphRunner:
         max_blocks_per_seq: int,
         device: torch.device,
         tokens_per_request: int = 1,
+        expert_parallel: bool = False,
     ):
+        """``expert_parallel``: the model's MoE layers dispatch across a group; each size
+        is captured in DECODE mode with itself as capacity, and every rank replays the
+        same size (``replay_steps``' ``size``, ``replay_padding``)."""
         if tokens_per_request != 1:
             raise NotImplementedError("decode graphs for MTP verification are not built yet")
         self.model, self.attn_backend, self.kv_cache = model, attn_backend, kv_cache
         self.sizes = sorted(sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
+        self.expert_parallel = expert_parallel
         self._graphs: dict[int, DecodeGraph] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._staging = PinnedRing(torch.int32)  # replay_steps' packed rows
@@ -134,6 +140,9 @@ class DecodeGraphRunner:
         fb = self._static_batch(size)
         self.attn_backend.prepare_capture(size, fb)
         fb.plan = plan_step(fb)
+        if self.expert_parallel:
+            dispatch = MoEDispatch(DispatchMode.DECODE, size, fb.slot_mapping)
+            fb.plan = dataclasses.replace(fb.plan, moe_dispatch=dispatch)
         self.model(fb.input_ids, fb.positions, fb)  # warm-up: JIT kernels, cuBLAS handles
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -160,13 +169,16 @@ class DecodeGraphRunner:
         steps: list[StepRequest],
         sources: list[int],
         previous: torch.Tensor | None,
+        size: int | None = None,
     ) -> tuple[torch.Tensor, ForwardBatch]:
         """Replay for ``can_run_steps``' requests; their hidden states and batch.
 
         ``sources[i] >= 0``: request ``i``'s token is row ``sources[i]`` of
-        ``previous``, the tokens of the step still in flight."""
+        ``previous``, the tokens of the step still in flight. ``size``: the captured
+        size to replay (expert parallelism: the group's); None: the smallest that holds
+        the requests."""
         n, b = len(steps), self._buffers
-        size = bucket(self.sizes, n)
+        size = size or bucket(self.sizes, n)
         captured = self._graphs[size]
         seq_lens = [s.num_computed + 1 for s in steps]
         block_ids = [s.block_ids for s in steps]
@@ -197,6 +209,18 @@ class DecodeGraphRunner:
             logits_rows=slice(0, n),
         )
         return captured.hidden[:n], fb
+
+    def replay_padding(self, size: int) -> None:
+        """Replay ``size`` with every row padding: an idle expert-parallel rank's part in
+        a step the group replays (its MoE layers send nothing and receive their share)."""
+        b, captured = self._buffers, self._graphs[size]
+        for name, pad in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
+            b[name][:size].fill_(pad)
+        b["seq_lens"][:size].fill_(PAD_SEQ_LEN)
+        b["block_tables"][:size].fill_(NULL_BLOCK)
+        if not captured.reads_batch_index:
+            self.attn_backend.prepare_replay(size, _padded(captured.batch, [], []))
+        captured.graph.replay()
 
     def _stage(
         self, steps: list[StepRequest], block_ids: list[list[int]], sources: list[int]
