@@ -76,6 +76,7 @@ class PoolCollector:
             for worker, (pool, stats) in sorted(self.snapshot.items()):
                 family.add_metric([pool, worker], stats[key])
             yield family
+        yield self._expert_tokens()  # expert parallelism: the load balance
         for name, (key, help_text) in _POOL_COUNTERS.items():
             family = CounterMetricFamily(name, help_text, labels=["pool"])
             for pool in pools:
@@ -85,12 +86,26 @@ class PoolCollector:
     def _sum(self, pool: str, key: str) -> float:
         return sum(stats[key] for p, stats in self.snapshot.values() if p == pool)
 
+    def _expert_tokens(self) -> CounterMetricFamily:
+        """Per replica, expert-parallel rank and routed expert: (token, expert) pairs."""
+        family = CounterMetricFamily(
+            "splitserve_expert_tokens",
+            "Tokens each routed expert computed (summed over MoE layers), per replica and "
+            "expert-parallel rank: the load balance",
+            labels=["pool", "replica", "rank", "expert"],
+        )
+        for worker, (pool, stats) in sorted(self.snapshot.items()):
+            for rank, counts in enumerate(stats.get("expert_tokens") or []):
+                for i, count in enumerate(counts):
+                    expert = str(rank * len(counts) + i)
+                    family.add_metric([pool, worker, str(rank), expert], count)
+        return family
+
 
 class RequestCollector:
     """The request metrics of every ingress replica, summed sample by sample."""
 
     def __init__(self, posts: list[list]):
-        yield self._expert_tokens()  # expert parallelism: the load balance
         self.posts = posts  # each replica's ``ServingMetrics.samples()``
 
     def collect(self):
@@ -123,21 +138,6 @@ class ServingMetrics:
             "Time between consecutive output tokens, per route",
             ["route"],
             buckets=ITL_BUCKETS,
-    def _expert_tokens(self) -> CounterMetricFamily:
-        """Per replica, expert-parallel rank and routed expert: (token, expert) pairs."""
-        family = CounterMetricFamily(
-            "splitserve_expert_tokens",
-            "Tokens each routed expert computed (summed over MoE layers), per replica and "
-            "expert-parallel rank: the load balance",
-            labels=["pool", "replica", "rank", "expert"],
-        )
-        for worker, (pool, stats) in sorted(self.snapshot.items()):
-            for rank, counts in enumerate(stats.get("expert_tokens") or []):
-                for i, count in enumerate(counts):
-                    expert = str(rank * len(counts) + i)
-                    family.add_metric([pool, worker, str(rank), expert], count)
-        return family
-
             registry=self.registry,
         )
         self.e2e = Histogram(

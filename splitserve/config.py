@@ -256,28 +256,6 @@ class KVTransferConfig:
 
 
 @dataclass
-class EngineConfig:
-    model: str = "qwen3-tiny"  # a directory with a HF checkpoint, or a preset name
-    dtype: str = "float32"
-    device: str | None = None  # None: cuda when available, else cpu
-    seed: int = 0  # seed of random-init presets and of unseeded sampling
-    # auto: the checkpoint's weights (presets: portable seeded init); dummy: random
-    # weights drawn on the device, fast, for benchmarks of full-size shapes.
-    load_format: str = "auto"
-    attention_backend: str = "auto"  # auto (flashinfer on a GPU when it fits) | torch | flashinfer
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # mixed: prompts and decodes; prefill: prompts whose KV goes to a decode worker;
-    # decode: requests whose KV arrives from a prefill worker (and short local ones).
-    role: str = "mixed"
-    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
-    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
-    kernels: KernelConfig = field(default_factory=KernelConfig)
-    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
-    limits: RequestLimits = field(default_factory=RequestLimits)
-
-    def __post_init__(self) -> None:
-@dataclass
 class ParallelConfig:
     """How many devices one engine spans (``workers/parallel``).
 
@@ -299,6 +277,29 @@ class ParallelConfig:
             )
 
 
+@dataclass
+class EngineConfig:
+    model: str = "qwen3-tiny"  # a directory with a HF checkpoint, or a preset name
+    dtype: str = "float32"
+    device: str | None = None  # None: cuda when available, else cpu
+    seed: int = 0  # seed of random-init presets and of unseeded sampling
+    # auto: the checkpoint's weights (presets: portable seeded init); dummy: random
+    # weights drawn on the device, fast, for benchmarks of full-size shapes.
+    load_format: str = "auto"
+    attention_backend: str = "auto"  # auto (flashinfer on a GPU when it fits) | torch | flashinfer
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # mixed: prompts and decodes; prefill: prompts whose KV goes to a decode worker;
+    # decode: requests whose KV arrives from a prefill worker (and short local ones).
+    role: str = "mixed"
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cuda_graph: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+    def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"invalid load_format={self.load_format!r}: must be auto or dummy")
@@ -307,6 +308,7 @@ class ParallelConfig:
         self.cache.check()
         self.scheduler.check()
         self.kv_transfer.check()
+        self.parallel.check()
         self.cuda_graph.check()
         self.kernels.check()
         self.limits.check()
@@ -315,7 +317,6 @@ class ParallelConfig:
 
     @property
     def num_speculative_tokens(self) -> int:
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
         """Draft tokens a request verifies per step; 0 without speculative decoding."""
         spec = self.speculative_config
         return 0 if spec is None else spec.num_speculative_tokens
@@ -327,10 +328,10 @@ class ParallelConfig:
             "cache": CacheConfig,
             "scheduler": SchedulerConfig,
             "kv_transfer": KVTransferConfig,
+            "parallel": ParallelConfig,
             "cuda_graph": CudaGraphConfig,
             "kernels": KernelConfig,
             "speculative_config": SpeculativeConfig,
-        self.parallel.check()
             "limits": RequestLimits,
         }
         kwargs: dict[str, Any] = {}
@@ -350,7 +351,6 @@ def known_keys(cls: type, values: dict[str, Any], prefix: str = "") -> dict[str,
         raise ValueError(f"config section '{prefix.rstrip('.') or cls.__name__}' must be a mapping")
     names = {f.name for f in dataclasses.fields(cls)}
     for key in values:
-            "parallel": ParallelConfig,
         if key not in names:
             raise ValueError(
                 f"unknown config key '{prefix}{key}'; accepted: {', '.join(sorted(names))}"
