@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from splitserve.config import DEVICES, DTYPES
+from splitserve.config import DEVICES, DTYPES, speculative_config_from_json
 from splitserve.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = ["The capital of France is", "Prefill computes the prompt; decode"]
@@ -29,6 +29,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--device", default=None, help=f"one of {', '.join(DEVICES)} (default: auto)")
     p.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
+    p.add_argument(
+        "--speculative-config",
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (MTP drafts)',
+    )
     p.set_defaults(run=run)
 
 
@@ -55,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.llm import LLM  # heavy imports only once the arguments are good
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+        spec = None
+        if args.speculative_config:
+            spec = speculative_config_from_json(args.speculative_config)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec)
     except (ValueError, FileNotFoundError) as e:
         print(f"splitserve generate: {e}", file=sys.stderr)
         return 2
@@ -67,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         out = outputs.get(i)
         error = errors.get(i) or (out.error if out is not None else None)
         failed += error is not None
-        _print(item, out, error, args.json)
+        _print(item, out, error, args.json, spec is not None)
     return 1 if failed else 0
 
 
@@ -108,7 +115,7 @@ def _read_prompts_file(path: str) -> list[dict]:
     return items
 
 
-def _print(item: dict, out, error: str | None, as_json: bool) -> None:
+def _print(item: dict, out, error: str | None, as_json: bool, speculative: bool) -> None:
     if as_json:
         if error is not None:
             record = {"error": error}
@@ -120,6 +127,9 @@ def _print(item: dict, out, error: str | None, as_json: bool) -> None:
                 "text": completion.text,
                 "finish_reason": completion.finish_reason,
             }
+            if speculative:
+                record["num_draft_tokens"] = out.num_draft_tokens
+                record["num_accepted_tokens"] = out.num_accepted_tokens
         print(json.dumps(record, ensure_ascii=False), flush=True)
         return
     prompt = item.get("prompt", item.get("prompt_token_ids"))

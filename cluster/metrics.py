@@ -4,7 +4,8 @@ Request metrics are measured at the ingress, as a client sees them: time to
 first token, inter-token latency and end-to-end latency per route, requests
 per route and outcome. Every ingress replica posts its request metrics to the
 stats board (pool ``ingress``), and ``/metrics`` on any of them sums them all.
-Pool metrics come from the workers' latest reports on the stats board: queue
+Pool metrics come from the workers' latest reports on the stats board
+(speculative decoding's drafts and acceptance among them): queue
 lengths and KV blocks per pool and replica, and KV transfer counts, bytes and
 seconds.
 """
@@ -14,7 +15,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 INGRESS = "ingress"  # the stats-board pool under which ingress replicas post their samples
 
@@ -49,6 +55,14 @@ _POOL_COUNTERS = {
         "kv_transfer_seconds",
         "Seconds from the first layer sent to the ack, summed",
     ),
+    "splitserve_spec_decode_num_draft_tokens": (
+        "spec_num_draft_tokens",
+        "Draft tokens verified (MTP speculative decoding)",
+    ),
+    "splitserve_spec_decode_num_accepted_tokens": (
+        "spec_num_accepted_tokens",
+        "Draft tokens accepted (MTP speculative decoding)",
+    ),
 }
 
 
@@ -82,6 +96,29 @@ class PoolCollector:
             for pool in pools:
                 family.add_metric([pool], self._sum(pool, key))
             yield family
+        yield self._acceptance_lengths(pools)
+
+    def _acceptance_lengths(self, pools: list[str]) -> HistogramMetricFamily:
+        """Per pool: how many drafts each verify step of a request accepted."""
+        family = HistogramMetricFamily(
+            "splitserve_spec_decode_acceptance_length",
+            "Drafts accepted per verify step of a request (MTP speculative decoding)",
+            labels=["pool"],
+        )
+        for pool in pools:
+            counts: list[int] = []
+            for p, stats in self.snapshot.values():
+                lengths = stats.get("spec_acceptance_lengths") if p == pool else None
+                for n, count in enumerate(lengths or []):
+                    counts += [0] * (n + 1 - len(counts))
+                    counts[n] += count
+            if not counts:
+                continue
+            cumulative = [sum(counts[: n + 1]) for n in range(len(counts))]
+            buckets = [(str(float(n)), c) for n, c in enumerate(cumulative)]
+            total = sum(n * c for n, c in enumerate(counts))
+            family.add_metric([pool], buckets + [("+Inf", cumulative[-1])], total)
+        return family
 
     def _sum(self, pool: str, key: str) -> float:
         return sum(stats[key] for p, stats in self.snapshot.values() if p == pool)

@@ -41,6 +41,11 @@ def add_parsers(commands) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the workers run")
     p.add_argument("--address", help="join this Ray cluster instead of starting one")
     p.add_argument(
+        "--speculative-config",
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\': every pool drafts '
+        "with the checkpoint's MTP layer",
+    )
+    p.add_argument(
         "--api-key",
         help="clients must send 'Authorization: Bearer <key>' (else SPLITSERVE_API_KEY, "
         "else the config's http.api_key)",
@@ -57,11 +62,15 @@ def add_parsers(commands) -> None:
 
 def load_config(args: argparse.Namespace):
     from splitserve.cluster.serve_config import ServeConfig
-    from splitserve.config import env
+    from splitserve.config import env, speculative_config_from_json
 
     values = ServeConfig.from_yaml(args.config or default_config_path()).to_dict()
     if args.model:
         values["engine"]["model"] = args.model
+    if getattr(args, "speculative_config", None):
+        values["engine"]["speculative_config"] = speculative_config_from_json(
+            args.speculative_config
+        )
     if args.device:
         values["engine"]["device"] = args.device
         if args.device == "cpu":

@@ -4,7 +4,8 @@ A replica that fails in its constructor is retried by Ray Serve and its cause
 lands in the replica's log, so whatever can be known beforehand is checked
 here, where the error reaches the terminal once: the model (a checkpoint
 directory with config.json and its tokenizer, or a preset), its architecture,
-the context length, and whether the KV cache holds one request of that length.
+the context length, whether the KV cache holds one request of that length, and
+that a checkpoint asked to draft with MTP has an MTP layer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def fit_to_model(config: ServeConfig) -> list[str]:
     get_model_class(hf_config.architectures)  # an architecture this server runs
     if path is not None:
         load_tokenizer(path)
+    if engine.speculative_config is not None:
+        check_mtp_layer(hf_config, path)
     notes = []
     limit = hf_config.max_position_embeddings
     scheduler = engine.scheduler
@@ -46,6 +49,28 @@ def fit_to_model(config: ServeConfig) -> list[str]:
             "the null page): raise num_kv_blocks or lower scheduler.max_model_len"
         )
     return notes
+
+
+def check_mtp_layer(hf_config, path) -> None:
+    """ValueError unless the checkpoint declares an MTP layer and, when its shards have an
+    index, the index holds it (``model.layers.{num_hidden_layers}.eh_proj.weight``)."""
+    import json
+
+    n = hf_config.num_hidden_layers
+    fix = "or leave speculative_config out"
+    if (getattr(hf_config, "num_nextn_predict_layers", 0) or 0) < 1:
+        raise ValueError(
+            f"speculative_config method 'mtp' needs an MTP layer, and {hf_config.architectures} "
+            f"declares none (num_nextn_predict_layers); use a GLM-4.5 checkpoint with it, {fix}"
+        )
+    index = path / "model.safetensors.index.json" if path is not None else None
+    if index is not None and index.is_file():
+        names = json.loads(index.read_text())["weight_map"]
+        if f"model.layers.{n}.eh_proj.weight" not in names:
+            raise ValueError(
+                f"speculative_config method 'mtp' needs the MTP layer's weights at "
+                f"model.layers.{n}.*, which {index} does not list; {fix}"
+            )
 
 
 def deployment_failure(app_name: str, error: Exception) -> str:

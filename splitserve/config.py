@@ -8,6 +8,7 @@ Environment variables are read here and nowhere else (see ``ENV_VARS``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,6 +208,21 @@ class RequestLimits:
             value = getattr(self, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"invalid limits.{f.name}={value!r}: must be an integer >= 1")
+
+
+def speculative_config_from_json(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object (checked by ``EngineConfig``), e.g.
+    ``'{"method": "mtp", "num_speculative_tokens": 2}'``."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config is not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"--speculative-config must be a JSON object like "
+            f'{{"method": "mtp", "num_speculative_tokens": 2}}, got {text!r}'
+        )
+    return value
 
 
 ROLES = ("mixed", "prefill", "decode")

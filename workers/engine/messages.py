@@ -211,6 +211,11 @@ class WorkerStats:
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     num_steps: int = 0  # engine steps so far (progress, for a watchdog)
+    # Speculative decoding (MTP), so far: drafts verified, drafts accepted, and per
+    # accepted-run length n the verify steps that accepted n drafts (``SpecDecodeStats``).
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_acceptance_lengths: list[int] = field(default_factory=list)
     # Expert parallelism (load balance): per rank, the (token, expert) pairs each of its
     # routed experts computed so far (rank r holds experts r * E/N ..); [] without it.
     # ``LLMEngine.expert_tokens()``.

@@ -106,4 +106,6 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             new_text=new_text,
             new_token_ids=new_tokens,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )

@@ -28,3 +28,5 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # set when the request was rejected or its KV hand-off failed
     kv_ticket: bytes | None = None  # decode side: where a prefill worker sends the KV
+    num_draft_tokens: int = 0  # MTP drafts verified for the request so far
+    num_accepted_tokens: int = 0  # of those, accepted
