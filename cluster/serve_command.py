@@ -39,6 +39,12 @@ def add_parsers(commands) -> None:
     p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the workers run")
+    p.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        metavar="N",
+        help="each worker an expert-parallel group of N ranks (routed experts sharded E/N)",
+    )
     p.add_argument("--address", help="join this Ray cluster instead of starting one")
     p.add_argument(
         "--speculative-config",
@@ -78,6 +84,9 @@ def load_config(args: argparse.Namespace):
     for key in ("host", "port"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
+    if getattr(args, "expert_parallel_size", None) is not None:
+        parallel = values["engine"].setdefault("parallel", {})
+        parallel["expert_parallel_size"] = args.expert_parallel_size
     api_key = getattr(args, "api_key", None) or env("SPLITSERVE_API_KEY")
     if api_key:
         values["http"]["api_key"] = api_key

@@ -10,6 +10,10 @@ checkpoint whose routing sends every token to the other rank's experts.
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -222,3 +226,31 @@ def test_glm4_moe_ep2_equals_ep1_and_transformers(routing, tmp_path):
     if routing == "all_to_rank1":
         assert all(s.num_tokens[1] == 0 for _, s in steps)  # rank 1 ran dummy steps only
         assert sum(tokens[0]) == 0 and sum(tokens[1]) > 0  # yet its experts did all the work
+
+
+# ---- the command line ------------------------------------------------------------------
+
+
+def _generate_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "generate", "--model", "qwen3-moe-tiny"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_and_serve_take_expert_parallel_size():
+    flags = ["--prompt", "decode", "--max-tokens", "6", "--temperature", "0", "--ignore-eos"]
+    proc = _generate_cli(*flags, "--json", "--device", "cpu", "--expert-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    want = LLM("qwen3-moe-tiny", device="cpu").generate(
+        "decode", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    assert json.loads(proc.stdout)["token_ids"] == want[0].outputs[0].token_ids
+    bad = _generate_cli(*flags, "--device", "cpu", "--expert-parallel-size", "3")
+    assert bad.returncode == 2 and "does not divide the model's 8 routed experts" in bad.stderr
+
+    from splitserve.cluster.serve_command import load_config
+
+    fields = dict.fromkeys(
+        ["config", "model", "prefill", "decode", "mixed", "host", "port", "device", "address"]
+    )
+    args = argparse.Namespace(**fields, api_key=None, expert_parallel_size=2)
+    assert load_config(args).engine.parallel.expert_parallel_size == 2
