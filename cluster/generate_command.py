@@ -28,6 +28,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--device", default=None, help=f"one of {', '.join(DEVICES)} (default: auto)")
+    p.add_argument(
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run a MoE model as an expert-parallel group of N ranks (processes; on GPUs, "
+        "the device and the N - 1 after it)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON line per prompt, in input order")
     p.add_argument(
         "--speculative-config",
@@ -62,7 +70,13 @@ def run(args: argparse.Namespace) -> int:
         spec = None
         if args.speculative_config:
             spec = speculative_config_from_json(args.speculative_config)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            speculative_config=spec,
+            expert_parallel_size=args.expert_parallel_size,
+        )
     except (ValueError, FileNotFoundError) as e:
         print(f"splitserve generate: {e}", file=sys.stderr)
         return 2
