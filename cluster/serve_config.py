@@ -9,6 +9,7 @@ the pool's own policy); otherwise it runs ``replicas`` replicas.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         self.ingress.check()
         self.http.check()
+        if self.engine.kv_transfer.auth_key is None:  # one per application, sent to every worker
+            self.engine.kv_transfer.auth_key = secrets.token_hex(32)
         unknown = set(self.pools) - set(POOLS)
         if unknown:
             raise ValueError(f"unknown pool {sorted(unknown)[0]!r}; pools: {', '.join(POOLS)}")

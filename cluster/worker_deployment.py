@@ -46,7 +46,10 @@ class EngineWorker:
         self.pool = pool
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         config = EngineConfig.from_dict({**engine_config, "role": pool})
-        if config.kv_transfer.host == "127.0.0.1" and ray.is_initialized():
+        # One node: the KV control plane stays on loopback; several: the node's address
+        # (every connection must still prove the application's key, kv_transfer.auth_key).
+        multi_node = ray.is_initialized() and sum(n["Alive"] for n in ray.nodes()) > 1
+        if config.kv_transfer.host == "127.0.0.1" and multi_node:
             config.kv_transfer.host = ray.util.get_node_ip_address()
         rendezvous = None
         if pool == "prefill" and config.kv_transfer.transport != "cpu":

@@ -244,6 +244,10 @@ class KVTransferConfig:
     first_message_layers: int = 1
     lanes: int = 2
     max_message_mb: int | None = 128
+    # The shared secret every control-plane connection proves it knows (an HMAC
+    # challenge, ``workers/kv/transfer/auth.py``). None: a key drawn once per process,
+    # enough for engines in one process; ``splitserve serve`` draws one per application.
+    auth_key: str | None = None
 
     def check(self) -> None:
         if self.transport not in KV_TRANSPORTS:
@@ -259,6 +263,8 @@ class KVTransferConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"invalid kv_transfer.{key}={value!r}: must be an integer >= 1")
+        if self.auth_key is not None and (not isinstance(self.auth_key, str) or not self.auth_key):
+            raise ValueError("invalid kv_transfer.auth_key: must be a non-empty string or null")
 
     def nccl_options(self) -> dict[str, int | None]:
         """The NCCL transport's keyword arguments."""

@@ -59,8 +59,8 @@ def pair(checkpoint, request):
 
 
 def test_the_transfer_settings_reach_the_transport(checkpoint, monkeypatch):
-    """The config's NCCL settings and the worker's id go to the transport factory; the
-    CPU transport writes the id into its tickets."""
+    """The config's NCCL settings, its control-plane key and the worker's id go to the
+    transport factory; the CPU transport writes the id into its tickets."""
     import splitserve.workers.engine.llm_engine as engine_module
 
     made = {}
@@ -78,7 +78,7 @@ def test_the_transfer_settings_reach_the_transport(checkpoint, monkeypatch):
     try:
         nccl = {"layers_per_message": 4, "first_message_layers": 1, "lanes": 3}
         nccl["max_message_bytes"] = 64 << 20
-        assert made == {**nccl, "owner": "decode-7"}
+        assert made == {**nccl, "owner": "decode-7", "auth_key": None}
         ticket = engine.kv_transport.make_ticket("r", [1], 0, 4, 2)
         assert ticket.owner == "decode-7"
     finally:

@@ -157,7 +157,7 @@ class LLMEngine:
             kt = config.kv_transfer
             options = {**kt.nccl_options(), **transport_options}
             transport = make_kv_transport(
-                kt.transport, self.kv_cache, kt.host, kt.timeout_s, **options
+                kt.transport, self.kv_cache, kt.host, kt.timeout_s, auth_key=kt.auth_key, **options
             )
             num_layers = self.hf_config.num_hidden_layers
             self.handoff = KVHandoff(transport, self.scheduler, num_layers, drafts=num_spec > 0)

@@ -4,9 +4,12 @@ A sender opens a ``Peer`` to each receiver it sends to. Frames posted to it leav
 in post order, written by its writer thread (a data path may write a frame from
 the calling thread when nothing queued can be behind it, as NCCL's "hello",
 "announce" and "done" do), and its reader thread hands back the receiver's
-answers. A receiver's ``Listener`` accepts the connections and hands on each
-frame in arrival order, from one thread per connection. Frame kinds (a msgpack
-header and raw bytes, ``framing.py``)::
+answers. A receiver's ``Listener`` accepts the connections, has each prove it
+holds the application's key (``auth.py``) before reading anything else from it,
+and hands on each frame in arrival order, from one thread per connection,
+refusing a frame larger than a layer of its whole KV cache; a connection whose
+frame is malformed or refused is closed. Frame kinds (a msgpack header and raw
+bytes, ``framing.py``)::
 
     sender -> receiver   "done", "cancel"; "layer" (cpu); "hello", "announce" (nccl)
     receiver -> sender   "ack"
@@ -14,12 +17,16 @@ header and raw bytes, ``framing.py``)::
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from splitserve.workers.kv.transfer.auth import challenge, key_bytes
 from splitserve.workers.kv.transfer.framing import Connection, listen
+
+logger = logging.getLogger(__name__)
 
 OnFrame = Callable[[Connection, dict[str, Any], bytearray], None]
 
@@ -65,16 +72,20 @@ class Peer:
     def _read_loop(self, on_answer, on_lost: Callable[[Peer, str], None]) -> None:
         try:
             while True:
-                header, _ = self.conn.recv()
+                header, _ = self.conn.recv(max_payload=0)  # acks: headers only
                 on_answer(header)
-        except OSError as e:
+        except Exception as e:  # OSError, or an answer this side cannot read
             on_lost(self, f"decode worker {self.address} went away: {e}")
 
 
 class Listener:
     """The receiver's server socket: accepts senders and reads their frames."""
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, key: bytes, max_payload: int):
+        """``key``: what a connection must prove it has; ``max_payload``: the largest
+        frame payload accepted (one layer of the whole KV cache)."""
+        self.key = key
+        self._max_payload = max_payload
         self._server = listen(host)
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self._accepted: list[Connection] = []
@@ -102,15 +113,24 @@ class Listener:
 
     def _serve(self, conn: Connection, on_frame: OnFrame, on_closed) -> None:
         try:
+            challenge(conn, self.key)
+        except Exception as e:  # a stranger: closed before any of its frames is read
+            logger.warning("refused a KV control connection: %s", e)
+            self._drop(conn)
+            return
+        try:
             while True:
-                header, payload = conn.recv()
+                header, payload = conn.recv(max_payload=self._max_payload)
                 on_frame(conn, header, payload)
-        except OSError as e:
-            on_closed(conn, e)
-            with self._lock:
-                if conn in self._accepted:
-                    self._accepted.remove(conn)
-            conn.close()
+        except Exception as e:  # gone, over the cap, or a frame on_frame cannot take
+            on_closed(conn, e if isinstance(e, OSError) else ConnectionError(str(e)))
+            self._drop(conn)
+
+    def _drop(self, conn: Connection) -> None:
+        with self._lock:
+            if conn in self._accepted:
+                self._accepted.remove(conn)
+        conn.close()
 
     def close(self) -> None:
         self._closed = True
@@ -119,6 +139,13 @@ class Listener:
             accepted = list(self._accepted)
         for conn in accepted:
             conn.close()
+
+
+def cache_listener(host: str, kv_cache, auth_key: str | bytes | None) -> Listener:
+    """The listener of ``kv_cache``'s transport: no frame is larger than one layer of the
+    whole cache (the CPU transport's largest, a layer of one transfer)."""
+    slots = kv_cache.num_blocks * kv_cache.block_size
+    return Listener(host, key_bytes(auth_key), kv_cache.layout.bytes_per_token(1) * slots)
 
 
 def unknown_frame(kind: str) -> ConnectionError:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from splitserve.workers.kv.cache import KVCache
-from splitserve.workers.kv.transfer.control import Listener, Peer, unknown_frame
+from splitserve.workers.kv.transfer.control import Peer, cache_listener, unknown_frame
 from splitserve.workers.kv.transfer.framing import Connection
 from splitserve.workers.kv.transfer.ticket import TransferTicket
 from splitserve.workers.kv.transfer.transfers import Incoming, Outgoing, Transfers
@@ -100,10 +100,13 @@ class CpuKVTransport(Transport):
         host: str = "127.0.0.1",
         timeout_s: float = 60.0,
         owner: str = "",
+        auth_key: str | bytes | None = None,
     ):
+        """``auth_key``: the control plane's key (``auth.py``; None: this process's)."""
         transfers = Transfers(timeout_s)
         frames = LayerFrames(kv_cache, transfers)
-        super().__init__(kv_cache, transfers, Listener(host), frames, frames, owner)
+        listener = cache_listener(host, kv_cache, auth_key)
+        super().__init__(kv_cache, transfers, listener, frames, frames, owner)
 
 
 def _flat(cache: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 Frame: ``!II`` (header length, payload length), the msgpack header (a dict
 with a ``kind``), the payload. One ``Connection`` serialises writers with a
-lock, so frames from several threads never interleave.
+lock, so frames from several threads never interleave. A reader caps both
+lengths (``recv``'s ``max_header``, ``max_payload``) before it allocates
+anything, and a header that is not a dict with a string ``kind`` ends the
+connection.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import msgpack
 
 _PREFIX = struct.Struct("!II")
+MAX_HEADER_BYTES = 64 << 10
 
 
 class Connection:
@@ -38,10 +42,23 @@ class Connection:
             if len(payload):
                 self.sock.sendall(payload)
 
-    def recv(self) -> tuple[dict[str, Any], bytearray]:
-        """Block for the next frame; raise ConnectionError when the peer is gone."""
+    def recv(
+        self, max_header: int = MAX_HEADER_BYTES, max_payload: int | None = None
+    ) -> tuple[dict[str, Any], bytearray]:
+        """Block for the next frame; raise ConnectionError when the peer is gone, or when
+        the frame is over the caps (``max_payload`` None: no cap) or malformed."""
         head_len, payload_len = _PREFIX.unpack(self._recv_exact(_PREFIX.size))
-        header = msgpack.unpackb(bytes(self._recv_exact(head_len)))
+        if head_len > max_header or (max_payload is not None and payload_len > max_payload):
+            raise ConnectionError(
+                f"KV frame of {head_len} + {payload_len} bytes is over the cap "
+                f"({max_header} + {max_payload})"
+            )
+        try:
+            header = msgpack.unpackb(bytes(self._recv_exact(head_len)))
+        except Exception as e:  # msgpack's errors, unhashable keys, ...
+            raise ConnectionError(f"malformed KV frame header: {e}") from None
+        if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
+            raise ConnectionError("malformed KV frame header: no kind")
         return header, self._recv_exact(payload_len)
 
     def _recv_exact(self, n: int) -> bytearray:

@@ -45,7 +45,7 @@ except ImportError as e:  # pragma: no cover - machines without cupy
 import torch
 
 from splitserve.workers.kv.cache import KVCache
-from splitserve.workers.kv.transfer.control import Listener
+from splitserve.workers.kv.transfer.control import cache_listener
 from splitserve.workers.kv.transfer.copier import Copier
 from splitserve.workers.kv.transfer.event_pool import EventPool
 from splitserve.workers.kv.transfer.nccl_pair import NcclOptions
@@ -74,13 +74,14 @@ class NcclKVTransport(Transport):
         first_message_layers: int = 1,
         lanes: int = 2,
         max_message_bytes: int | None = 128 << 20,
+        auth_key: str | bytes | None = None,
     ):
         self.options = NcclOptions(
             layers_per_message, first_message_layers, max_message_bytes, lanes
         )
         self.options.check()
         transfers = Transfers(timeout_s)
-        listener = Listener(host)
+        listener = cache_listener(host, kv_cache, auth_key)
         device = kv_cache.k[0].device
         name = owner or listener.address
         self.pairs = NcclPairs(device, name, self.options, timeout_s, rendezvous)

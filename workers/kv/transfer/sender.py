@@ -21,6 +21,7 @@ from dataclasses import asdict
 from typing import Any
 
 from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.kv.transfer.auth import answer
 from splitserve.workers.kv.transfer.base import TransferEvent, TransferState
 from splitserve.workers.kv.transfer.control import Peer
 from splitserve.workers.kv.transfer.data_path import SendPath
@@ -37,8 +38,10 @@ from splitserve.workers.kv.transfer.transfers import Outgoing, Transfers
 class Sender:
     """The prefill side of a transport: its transfers' states, its peers, its metrics."""
 
-    def __init__(self, kv_cache: KVCache, transfers: Transfers, path: SendPath):
+    def __init__(self, kv_cache: KVCache, transfers: Transfers, path: SendPath, key: bytes):
+        """``key``: what this worker answers receivers' challenges with (``auth.py``)."""
         self.kv_cache = kv_cache
+        self.key = key
         self.layout = kv_cache.layout
         self.transfers = transfers
         self.path = path
@@ -114,6 +117,11 @@ class Sender:
             if peer is not None and peer.alive:
                 return peer
         conn = Connection.connect(address, timeout_s=self.transfers.timeout_s)
+        try:
+            answer(conn, self.key)
+        except BaseException:
+            conn.close()
+            raise
         peer = Peer(address, conn)
         self.path.connect(peer, ticket)
         with self.transfers.lock:

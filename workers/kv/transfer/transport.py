@@ -43,7 +43,7 @@ class Transport:
         self.owner = owner  # this worker's id, written into the tickets it issues
         self.address = listener.address
         self.transfers = transfers
-        self.sender = Sender(kv_cache, transfers, send_path)
+        self.sender = Sender(kv_cache, transfers, send_path, listener.key)
         self.receiver = Receiver(kv_cache, transfers, listener, recv_path)
         self.receiver.start()
 
