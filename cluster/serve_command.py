@@ -112,7 +112,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args)
-        notes = fit_to_model(config)
+        notes = fit_to_model(config, local=args.address is None)
     except (OSError, ValueError) as e:
         print(f"splitserve serve: {e}", flush=True)
         return 2

@@ -4,8 +4,9 @@ A replica that fails in its constructor is retried by Ray Serve and its cause
 lands in the replica's log, so whatever can be known beforehand is checked
 here, where the error reaches the terminal once: the model (a checkpoint
 directory with config.json and its tokenizer, or a preset), its architecture,
-the context length, whether the KV cache holds one request of that length, and
-that a checkpoint asked to draft with MTP has an MTP layer.
+the context length, whether the KV cache holds one request of that length,
+that a checkpoint asked to draft with MTP has an MTP layer, and (when the
+workers run on this machine) the device.
 """
 
 from __future__ import annotations
@@ -15,15 +16,19 @@ import math
 from splitserve.cluster.serve_config import ServeConfig
 
 
-def fit_to_model(config: ServeConfig) -> list[str]:
+def fit_to_model(config: ServeConfig, local: bool = False) -> list[str]:
     """Check ``config`` against its model; lower ``scheduler.max_model_len`` to the model's
     own context where the config asks for more. Returns notes on what was changed;
-    raises ValueError (or OSError) with the cause."""
+    raises ValueError (or OSError) with the cause. ``local``: the workers run on this
+    machine (no ``--address``), so its devices are theirs and are checked too."""
+    from splitserve.config import resolve_device
     from splitserve.workers.model.loader import load_hf_config
     from splitserve.workers.model.registry import get_model_class
     from splitserve.workers.model.tokenizer import load_tokenizer
 
     engine = config.engine
+    if local:
+        resolve_device(engine.device)  # "cuda" on a machine without a GPU
     hf_config, path = load_hf_config(engine.model)
     get_model_class(hf_config.architectures)  # an architecture this server runs
     if path is not None:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from splitserve.cluster.serve_command import load_config
 from splitserve.cluster.startup_checks import fit_to_model, last_cause
@@ -49,6 +50,12 @@ def test_what_the_driver_can_know_it_checks(short_context_model, tmp_path):
     config.engine.cache.num_kv_blocks = 8
     with pytest.raises(ValueError, match="num_kv_blocks=8 cannot hold one request of max_model"):
         fit_to_model(config)
+    config.engine.cache.num_kv_blocks = None
+    config.engine.device = "cuda"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
+            fit_to_model(config, local=True)
+    fit_to_model(config, local=False)  # joining a cluster: its GPUs are not this machine's
     (tmp_path / "config.json").write_text((short_context_model / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         fit_to_model(load_config(_args(model=str(tmp_path))))
@@ -86,3 +93,44 @@ def test_a_replica_failure_is_told_by_its_cause():
     assert last_cause("Failed to update the deployments ['prefill']") == (
         "Failed to update the deployments ['prefill']"
     )
+
+
+def test_a_failed_deployment_prints_its_cause_once_and_exits_1(monkeypatch, capsys):
+    """serve_main around a serve.run that fails as Ray Serve's does when a replica's
+    constructor keeps raising: the cause from serve.status(), one line, status 1, and the
+    app is still torn down."""
+    import ray
+    from ray import serve
+
+    from splitserve.cluster import serve_command
+
+    cause = "ValueError: device 'cuda' was asked for, but torch sees no CUDA GPU"
+    deployment = argparse.Namespace(
+        status="DEPLOY_FAILED",
+        message=f"failed 3 times.\nTraceback (most recent call last):\n{cause}",
+    )
+    status = argparse.Namespace(
+        applications={"splitserve": argparse.Namespace(deployments={"decode": deployment})}
+    )
+    calls = []
+
+    def failing_run(*args, **kwargs):
+        raise RuntimeError(
+            "Deploying application splitserve failed: "
+            "Failed to update the deployments ['prefill', 'decode']."
+        )
+
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append("init"))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(serve, "start", lambda **kw: None)
+    monkeypatch.setattr(serve, "run", failing_run)
+    monkeypatch.setattr(serve, "status", lambda: status)
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append("delete"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve_command, "_remove_stats_board", lambda name: None)
+    assert serve_command.serve_main(_args()) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "failed" in line] == [
+        f"splitserve serve: the deployment failed: {cause}"
+    ]
+    assert calls == ["init", "delete", "serve.shutdown", "ray.shutdown"]
