@@ -254,3 +254,14 @@ def test_generate_and_serve_take_expert_parallel_size():
     )
     args = argparse.Namespace(**fields, api_key=None, expert_parallel_size=2)
     assert load_config(args).engine.parallel.expert_parallel_size == 2
+
+
+def test_metrics_show_each_ranks_tokens_per_expert():
+    from splitserve.cluster.metrics import PoolCollector
+    from splitserve.workers.engine.messages import WorkerStats
+
+    stats = WorkerStats(role="mixed", engine_pid=1, expert_tokens=[[3, 0], [5, 7]]).as_dict()
+    collector = PoolCollector({"w0": ("mixed", stats)})
+    family = next(f for f in collector.collect() if f.name == "splitserve_expert_tokens")
+    got = {(s.labels["rank"], s.labels["expert"]): s.value for s in family.samples}
+    assert got == {("0", "0"): 3, ("0", "1"): 0, ("1", "2"): 5, ("1", "3"): 7}

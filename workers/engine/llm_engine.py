@@ -282,6 +282,8 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise RuntimeError("update_parameters needs an idle engine; requests are in flight")
+        if self.runner.lockstep is not None:  # every rank would have to reload and recapture
+            raise NotImplementedError("weight updates of an expert-parallel group are not built")
         self.runner.load_parameters(lambda model: load_checkpoint(model, Path(checkpoint)))
         self.block_manager.reset_prefix_cache()
         self.runner.capture_graphs()

@@ -82,7 +82,7 @@ def join_group(rank: int, size: int, address: str, device: torch.device) -> Expe
         dist.PrefixStore("control", store), rank, size, COLLECTIVE_TIMEOUT
     )
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(rank_device(device, 0))  # rank 0's "cuda": the current GPU
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
         data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, size, options)
@@ -140,7 +140,7 @@ def check_expert_parallel(size: int, hf_config: Any, device: torch.device) -> No
         )
     if device.type == "cuda":
         first = device.index or 0
-        count = torch.cuda.device_count()
+        count = torch.cuda.device_count()  # the GPUs this process sees
         if first + size > count:
             raise ValueError(
                 f"parallel.expert_parallel_size={size} needs GPUs {first}..{first + size - 1}, "
@@ -149,7 +149,9 @@ def check_expert_parallel(size: int, hf_config: Any, device: torch.device) -> No
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank ``rank``'s device: on GPUs the one ``rank`` places after rank 0's."""
+    """Rank ``rank``'s device: on GPUs the one ``rank`` places after rank 0's (``cuda``
+    without an index: the current one)."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    first = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", first + rank)

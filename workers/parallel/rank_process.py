@@ -20,7 +20,9 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from splitserve.config import EngineConfig, env
+import torch
+
+from splitserve.config import EngineConfig, env, resolve_device
 from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
 from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
@@ -74,6 +76,9 @@ def rank_main(
     )
     member = GroupMember(member.rank, member.size, member.address, lambda: conn.send(Loaded()))
     try:
+        device = resolve_device(config.device)
+        if device.type == "cuda":  # pinned: its kernels, memory and NCCL on its own GPU
+            torch.cuda.set_device(device)
         engine = LLMEngine(config, delta_outputs=delta_outputs, member=member)
     except BaseException:
         conn.send(StartFailed(traceback.format_exc()))
