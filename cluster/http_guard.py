@@ -39,10 +39,6 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/metrics")  # without the key unless auth_health_and_metrics
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class HttpGuard:
     """``app`` behind the guards of ``config`` (an ASGI app itself)."""
 
