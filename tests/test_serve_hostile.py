@@ -7,10 +7,13 @@ server; the last one checks the aftermath."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -216,7 +219,7 @@ schemathesis = pytest.importorskip("schemathesis")
 @pytest.fixture(scope="module")
 def api_schema(server):
     url = f"http://127.0.0.1:{server.port}/openapi.json"
-    return schemathesis.openapi.from_url(url, headers=AUTH).include(method="POST")
+    return schemathesis.openapi.from_url(url, headers=AUTH)
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
@@ -239,6 +242,42 @@ def test_schemathesis_finds_no_server_error(case, server):
         case.body["max_tokens"] = 2  # bounded generation; the fields around it are fuzzed
     response = case.call(base_url=f"http://127.0.0.1:{server.port}", headers=AUTH, timeout=120)
     assert response.status_code < 500, response.text
+
+
+# ---- the KV control plane on one node ------------------------------------------------------
+
+
+def _listening(pid: int) -> list[str]:
+    """``ip:port`` of every TCP socket process ``pid`` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(_address(fields[1]))
+    return found
+
+
+def _address(hex_address: str) -> str:
+    ip, port = hex_address.split(":")
+    if len(ip) == 8:  # IPv4, little-endian
+        ip = ".".join(str(b) for b in reversed(bytes.fromhex(ip)))
+    return f"{ip}:{int(port, 16)}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="needs Linux /proc")
+def test_the_engines_listen_on_loopback_only_on_one_node(server):
+    engines = {k: pid for k, pid in server.start_pids.items() if k.endswith("engine")}
+    for name, pid in engines.items():
+        addresses = _listening(pid)
+        assert addresses, name  # the KV control plane and the front connections
+        assert all(a.startswith("127.0.0.1:") for a in addresses), (name, addresses)
 
 
 # ---- the aftermath ----------------------------------------------------------------------
