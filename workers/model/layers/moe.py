@@ -152,11 +152,16 @@ class Experts(nn.Module):
         target.copy_(loaded)
 
     def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, plan: StepPlan
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        plan: StepPlan | None = None,  # expert parallelism: its moe_dispatch
     ) -> torch.Tensor:
         if self.dispatcher is None:
             return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
-        here = self.dispatcher.dispatch(x, topk_weights, topk_ids, plan.moe_dispatch)
+        dispatch = plan.moe_dispatch if plan is not None else None
+        here = self.dispatcher.dispatch(x, topk_weights, topk_ids, dispatch)
         self.count_tokens(here.topk_ids)
         out = fused_moe(
             here.hidden,
