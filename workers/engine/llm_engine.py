@@ -126,7 +126,16 @@ class LLMEngine:
         )
         speculator = None
         if num_spec:
-            proposer = MTPProposer(model, num_spec, self.kv_cache, backend)
+            graph_backend = None  # the drafter's CUDA graphs keep their own attention state
+            if config.cuda_graph.enabled and self.device.type == "cuda":
+                graph_backend = make_attention_backend(
+                    config.attention_backend,
+                    self.device,
+                    self.hf_config.num_attention_heads,
+                    kv_layout,
+                    config.kernels,
+                )
+            proposer = MTPProposer(model, num_spec, self.kv_cache, backend, graph_backend)
             speculator = Speculator(model, proposer, self.sampler)
         self.spec_stats = SpecDecodeStats()
         graph_limits = None

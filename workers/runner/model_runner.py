@@ -27,6 +27,7 @@ from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.parallel.lockstep import GroupStep, Lockstep, StepHeader, dummy_step
 from splitserve.workers.runner.cuda_graphs.decode_runner import DecodeGraphRunner
+from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.cuda_graphs.owner import GraphOwner
 from splitserve.workers.runner.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
 from splitserve.workers.runner.forward_batch import ForwardBatch
@@ -108,6 +109,7 @@ class ModelRunner:
         self.device = device
         self.graphs: GraphOwner | None = None
         self.decode_graphs: DecodeGraphRunner | None = None  # also registered with graphs
+        self.draft_graphs: DraftGraphRunner | None = None  # MTP chained drafts, registered too
         if graph_limits is not None and device.type == "cuda":
             self.graphs = self._graph_owner(graph_limits)
         self._param_shapes: dict[str, torch.Size] = {}
@@ -130,6 +132,7 @@ class ModelRunner:
                 expert_parallel=self.lockstep is not None,
             )
             owner.register(self.decode_graphs)
+        self._register_draft_graphs(owner, decode_sizes, max_blocks)
         prefill_sizes = [n for n in config.prefill_sizes if n <= limits.max_num_batched_tokens]
         if config.piecewise and prefill_sizes and self.lockstep is None:  # EP: eager prefill
             owner.register(
@@ -138,6 +141,21 @@ class ModelRunner:
                 )
             )
         return owner if owner.runners else None
+
+    def _register_draft_graphs(self, owner: GraphOwner, sizes: list[int], max_blocks: int) -> None:
+        """The MTP drafter's chained steps, one graph per batch size, with the one owner."""
+        proposer = self.speculator.proposer if self.speculator is not None else None
+        backend = proposer.graph_attn_backend if proposer is not None else None
+        if (
+            backend is None
+            or not sizes
+            or not backend.supports_decode_graphs(sizes[-1], max_blocks)
+        ):
+            return
+        self.draft_graphs = DraftGraphRunner(
+            self.model, backend, self.kv_cache, sizes, max_blocks, self.device
+        )
+        owner.register(self.draft_graphs)
 
     def capture_graphs(self) -> None:
         """Capture now (engine start) rather than at the first step that could use them."""
@@ -200,7 +218,11 @@ class ModelRunner:
         fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, self.device, plan=False)
         fb.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
         hidden = self.forward(fb)
-        spec = self.speculator.run(fb, hidden, batch.requests, steps)
+        # The step's graph decision, made once, goes to the drafter.
+        draft_graphs = self.draft_graphs if on_layer_stored is None else None
+        if draft_graphs is not None:
+            self.capture_graphs()
+        spec = self.speculator.run(fb, hidden, batch.requests, steps, draft_graphs)
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         decode = sum(
             len(s.new_token_ids)

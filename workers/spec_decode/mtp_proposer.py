@@ -30,6 +30,7 @@ from torch import nn
 
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch, to_device
 
@@ -41,7 +42,10 @@ class MTPProposer:
         num_speculative_tokens: int,
         kv_cache: KVCache,
         attn_backend: AttentionBackend,
+        graph_attn_backend: AttentionBackend | None = None,
     ):
+        """``graph_attn_backend``: a backend of the drafter's CUDA graphs' own (None: no
+        draft graphs)."""
         if getattr(model, "mtp", None) is None:
             raise ValueError(
                 "speculative_config method 'mtp' needs the checkpoint's MTP layer, and this "
@@ -53,6 +57,7 @@ class MTPProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
+        self.graph_attn_backend = graph_attn_backend
 
     @torch.inference_mode()
     def propose(
@@ -61,10 +66,13 @@ class MTPProposer:
         hidden: torch.Tensor,
         next_token_ids: list[int],
         draft_rows: list[int],
+        graphs: DraftGraphRunner | None = None,
     ) -> list[list[int]]:
         """Drafts for the requests whose last emitted token sits at ``draft_rows`` of the
         step ``fb`` (hidden states ``hidden``); ``next_token_ids``: the token after each
-        row. Returns ``K`` drafts per draft row (waits for the device)."""
+        row. ``graphs``: the step may replay the chained steps from CUDA graphs (the
+        runner's decision for the step). Returns ``K`` drafts per draft row (waits for the
+        device)."""
         device = hidden.device
         ids = to_device(next_token_ids, device)
         mtp_hidden = self.model.mtp_forward(ids, fb.positions, hidden, fb)
@@ -76,9 +84,15 @@ class MTPProposer:
         positions = [int(p) for p in fb.positions[rows].tolist()]
         ends = list(itertools.accumulate(fb.query_lens))
         blocks = [fb.block_ids[bisect.bisect_right(ends, r)] for r in draft_rows]
+        use_graphs = graphs is not None and graphs.can_draft(len(draft_rows))
         for _ in range(1, self.num_speculative_tokens):
             positions = [p + 1 for p in positions]
-            chain = self._chain_batch(positions, blocks, device)
+            covered, slots = self._chain_slots(positions, blocks)
+            if use_graphs:
+                mtp_hidden, draft = graphs.draft(drafts[-1], mtp_hidden, covered, slots, blocks)
+                drafts.append(draft.clone())  # the next replay overwrites the graph's output
+                continue
+            chain = self._chain_batch(covered, slots, blocks, device)
             chain.input_ids.copy_(drafts[-1])
             mtp_hidden = self.model.mtp_forward(chain.input_ids, chain.positions, mtp_hidden, chain)
             drafts.append(self._greedy(mtp_hidden))
@@ -87,15 +101,26 @@ class MTPProposer:
     def _greedy(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         return self.model.mtp_compute_logits(mtp_hidden).argmax(dim=-1)
 
+    def _chain_slots(
+        self, positions: list[int], blocks: list[list[int]]
+    ) -> tuple[list[int], list[int]]:
+        """Each chained row's position within its block table and its KV slot; a position
+        past the table attends as its last slot and stores nothing (slot -1)."""
+        size = self.kv_cache.block_size
+        covered, slots = [], []
+        for p, b in zip(positions, blocks):
+            c = min(p, len(b) * size - 1)
+            covered.append(c)
+            slots.append(b[c // size] * size + c % size if c == p else -1)
+        return covered, slots
+
     def _chain_batch(
-        self, positions: list[int], blocks: list[list[int]], device: torch.device
+        self, positions: list[int], slots: list[int], blocks: list[list[int]], device: torch.device
     ) -> ForwardBatch:
         """One row a request at ``positions`` (token ids filled in on the device)."""
-        block_size = self.kv_cache.block_size
-        covered = [min(p, len(b) * block_size - 1) for p, b in zip(positions, blocks)]
-        steps = [StepRequest([0], p, b, sample=True) for p, b in zip(covered, blocks)]
+        steps = [StepRequest([0], p, b, sample=True) for p, b in zip(positions, blocks)]
         fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, device)
-        beyond = [i for i, (p, c) in enumerate(zip(positions, covered)) if p != c]
-        if beyond:  # past the block table: attend as the last slot, store nothing
+        beyond = [i for i, s in enumerate(slots) if s < 0]
+        if beyond:
             fb.slot_mapping[to_device(beyond, device)] = -1
         return fb

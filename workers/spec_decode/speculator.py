@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.scheduler.request import Request
+from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import StepRequest, to_device
 from splitserve.workers.sampling.sampler import Sampler
@@ -51,8 +52,10 @@ class Speculator:
         hidden: torch.Tensor,
         requests: list[Request],
         steps: list[StepRequest],
+        draft_graphs: DraftGraphRunner | None = None,
     ) -> SpeculativeResult:
-        """Verify or sample, then draft; waits for the device."""
+        """Verify or sample, then draft (``draft_graphs``: the step may replay the
+        drafter's graphs); waits for the device."""
         starts = [0]
         for s in steps:
             starts.append(starts[-1] + len(s.new_token_ids))
@@ -74,7 +77,7 @@ class Speculator:
                 end = step.num_computed + len(ids)
                 following[-1] = request.token_ids_between(end, end + 1)[0]
             next_ids += following
-        drafts = self.proposer.propose(fb, hidden, next_ids, draft_rows)
+        drafts = self.proposer.propose(fb, hidden, next_ids, draft_rows, draft_graphs)
         return SpeculativeResult(
             runs={requests[i].request_id: run for i, run in runs.items()},
             drafts=dict(zip(drafted, drafts)),

@@ -1,6 +1,6 @@
 """One owner for every CUDA graph of a worker.
 
-Decode graphs, piecewise prefill graphs and (later) MTP draft graphs register
+Decode graphs, piecewise prefill graphs and MTP draft graphs (``draft_runner.py``) register
 here. They share one memory pool and one capture stream, are captured together
 (largest size first, with a progress bar and the memory they took logged) and
 are dropped together: ``clear()`` runs before weights are freed or reloaded,
