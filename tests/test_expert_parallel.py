@@ -114,8 +114,9 @@ def test_expert_parallel_size_must_fit_the_model_and_the_host(tmp_path):
     count = torch.cuda.device_count()
     with pytest.raises(ValueError, match=f"this host has {count} GPU"):
         check_expert_parallel(count + 2 - count % 2, moe, torch.device("cuda"))
-    with pytest.raises(ValueError, match="does not divide"):  # before any rank starts
-        LLM("qwen3-moe-tiny", expert_parallel_size=3, device="cpu")
+    for spelling in ({"expert_parallel_size": 3}, {"parallel": {"expert_parallel_size": 3}}):
+        with pytest.raises(ValueError, match="does not divide"):  # before any rank starts
+            LLM("qwen3-moe-tiny", device="cpu", **spelling)
 
 
 # ---- end to end: EP2 against EP1 and transformers ---------------------------------------

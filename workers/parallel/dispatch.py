@@ -94,11 +94,12 @@ class RowLayout:
         return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=-1)
 
     def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views into ``rows`` (no copy: a row's bytes are a multiple of 4)."""
         h, k = self.hidden_bytes, 4 * self.top_k
         return (
-            rows[:, :h].contiguous().view(self.dtype),
-            rows[:, h : h + k].contiguous().view(torch.int32),
-            rows[:, h + k :].contiguous().view(torch.float32),
+            rows[:, :h].view(self.dtype),
+            rows[:, h : h + k].view(torch.int32),
+            rows[:, h + k :].view(torch.float32),
         )
 
     def padding(self, num_rows: int, device: torch.device) -> torch.Tensor:
