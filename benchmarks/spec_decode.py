@@ -1,0 +1,227 @@
+"""Decode tokens/s with MTP speculative decoding (K = 1, 2, 3) against without, on one GPU.
+
+    python benchmarks/spec_decode.py [--batches 1 8 32] [--ks 0 1 2 3]
+        [--alphas 0.6 0.85 1.0] [--steps 48] [--prompt-len 512] [--json PATH]
+
+The model has GLM-4.5-Air's shape with random bf16 weights (``load_format: dummy``):
+hidden 4096, 96 query and 8 KV heads of 128, 128 routed experts (top 8) and a shared
+one, vocab 151,552, one MTP layer; but 8 decoder layers instead of 46, so that one
+80 GB GPU holds it (about 43 GB). Every step runs through ``LLMEngine.step`` with CUDA
+graphs on (decode graphs, piecewise verify steps, the drafter's chained-step graphs).
+
+Random weights make the drafter almost never right, so acceptance is set, honestly
+labelled: with ``alpha``, each drafted token is replaced by the target's own next token
+with probability alpha when it is verified (SIMULATED acceptance: the drafter and the
+verify forward run at full cost on the drafter's tokens; only the accept decision is
+simulated, at the cost of one extra argmax a step). ``alpha = real`` is the random
+drafter's own acceptance. Every row, table and JSON says which.
+
+Per (K, batch, alpha): ``batch`` requests of ``--prompt-len`` random tokens are
+prefilled, 3 steps warm up, then ``--steps`` steps are timed; tokens/s counts every
+token the requests emitted in them. The speedup is against K = 0 at the same batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from roofline import command_line, environment, print_table, write_report  # noqa: E402
+
+from splitserve.config import (  # noqa: E402
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from splitserve.sampling_params import SamplingParams  # noqa: E402
+from splitserve.workers.engine.llm_engine import LLMEngine  # noqa: E402
+from splitserve.workers.model.tokenizer import save_tiny_tokenizer  # noqa: E402
+
+GLM_45_AIR_SHAPE = {
+    "model_type": "glm4_moe",
+    "architectures": ["Glm4MoeForCausalLM"],
+    "vocab_size": 151552,
+    "hidden_size": 4096,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 8,  # 46 in GLM-4.5-Air: fewer so that one GPU holds it
+    "num_attention_heads": 96,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.0,
+    "first_k_dense_replace": 1,
+    "use_qk_norm": False,
+    "attention_bias": True,
+    "partial_rotary_factor": 0.5,
+    "num_nextn_predict_layers": 1,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 151329,
+    "bos_token_id": 151329,
+    "pad_token_id": 151329,
+}
+WARMUP_STEPS = 3
+
+
+def model_dir() -> Path:
+    """A checkpoint directory without weights: the config and a tokenizer."""
+    path = Path(tempfile.mkdtemp(prefix="glm45-air-shape-"))
+    (path / "config.json").write_text(json.dumps(GLM_45_AIR_SHAPE))
+    save_tiny_tokenizer(path)
+    return path
+
+
+def make_engine(path: Path, k: int, max_batch: int, max_model_len: int) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype="bfloat16",
+            device="cuda",
+            load_format="dummy",
+            cache=CacheConfig(kv_cache_memory_gb=8, enable_prefix_caching=False),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_batch, max_num_batched_tokens=4096, max_model_len=max_model_len
+            ),
+            speculative_config=SpeculativeConfig("mtp", k) if k else None,
+        )
+    )
+
+
+def simulate_acceptance(engine: LLMEngine, alpha: float | None, seed: int = 0) -> None:
+    """Benchmark only: at verification each draft becomes the target's own next token
+    with probability ``alpha`` (the forwards already ran on the drafter's tokens); None:
+    the drafter's own tokens."""
+    sampler = engine.runner.speculator.rejection_sampler
+    verify = sampler.__class__.verify.__get__(sampler)  # the real one, never a wrapper
+    if alpha is None:
+        sampler.verify = verify
+        return
+    rng = random.Random(seed)
+
+    def simulated(logits, drafts, requests):
+        target = logits.argmax(dim=-1).tolist()
+        replaced, start = [], 0
+        for d in drafts:
+            row = [target[start + j] if rng.random() < alpha else t for j, t in enumerate(d)]
+            replaced.append(row)
+            start += len(d) + 1
+        return verify(logits, replaced, requests)
+
+    sampler.verify = simulated
+
+
+def time_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict:
+    vocab = engine.hf_config.vocab_size
+    k = engine.config.num_speculative_tokens
+    params = SamplingParams(
+        max_tokens=(steps + WARMUP_STEPS + 2) * (k + 1), temperature=0.0, ignore_eos=True
+    )
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(1, vocab, (prompt_len,)).tolist(), params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill: every request has its first token
+        started |= {o.request_id for o in engine.step() if o.new_token_ids}
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+    drafts, accepted = engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens
+    torch.cuda.synchronize()
+    tokens, start = 0, time.perf_counter()
+    for _ in range(steps):
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    seconds = time.perf_counter() - start
+    drafts = engine.spec_stats.num_draft_tokens - drafts
+    accepted = engine.spec_stats.num_accepted_tokens - accepted
+    for rid in ids:
+        engine.abort_request(rid)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_per_s": tokens / seconds,
+        "tokens_per_request_step": tokens / (steps * batch),
+        "acceptance_rate": accepted / drafts if drafts else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument(
+        "--alphas", nargs="+", default=["0.6", "0.85", "1.0"], help="floats, or 'real'"
+    )
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--json", help="write the rows and the environment here")
+    args = parser.parse_args()
+    path = model_dir()
+    max_model_len = args.prompt_len + (args.steps + WARMUP_STEPS + 4) * (max(args.ks) + 1)
+    rows, baseline = [], {}
+    for k in sorted(args.ks):
+        engine = make_engine(path, k, max(args.batches), max_model_len)
+        for alpha in ["-"] if k == 0 else args.alphas:
+            if k:
+                simulate_acceptance(engine, None if alpha == "real" else float(alpha))
+            for batch in args.batches:
+                result = time_decode(engine, batch, args.prompt_len, args.steps)
+                if k == 0:
+                    baseline[batch] = result["tok_per_s"]
+                speedup = result["tok_per_s"] / baseline[batch] if batch in baseline else None
+                acceptance = "none" if k == 0 else f"simulated alpha={alpha}"
+                if alpha == "real":
+                    acceptance = "real (random drafter)"
+                rows.append(
+                    {"k": k, "batch": batch, "acceptance": acceptance, "speedup": speedup, **result}
+                )
+                print(rows[-1], flush=True)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    columns = ["K", "batch", "acceptance", "accept rate", "tokens/req/step", "tok/s", "speedup"]
+    print_table(
+        columns,
+        [
+            [
+                r["k"],
+                r["batch"],
+                r["acceptance"],
+                r["acceptance_rate"],
+                r["tokens_per_request_step"],
+                r["tok_per_s"],
+                r["speedup"],
+            ]
+            for r in rows
+        ],
+    )
+    print("acceptance marked 'simulated': drafts replaced by the target's token with prob alpha")
+    if args.json:
+        payload = {
+            "environment": environment(command_line("spec_decode.py")),
+            "model": GLM_45_AIR_SHAPE,
+            "acceptance_note": "simulated: each draft replaced by the target's own next token "
+            "with probability alpha at verification; forwards at full cost",
+            "rows": rows,
+        }
+        write_report(args.json, payload)
+
+
+if __name__ == "__main__":
+    main()
