@@ -37,7 +37,7 @@ def _engine(path, role: str, k: int, block_size: int = 4) -> LLMEngine:
             device="cpu",
             role=role,
             cache=CacheConfig(block_size=block_size, num_kv_blocks=96),
-            scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=24),
+            scheduler=SchedulerConfig(max_model_len=64, max_num_batched_tokens=16),
             kv_transfer=KVTransferConfig(transport="cpu", timeout_s=10.0),
             speculative_config=SpeculativeConfig("mtp", k) if k else None,
         )
@@ -59,9 +59,10 @@ def _mixed_tokens(path, batch) -> dict[str, list[int]]:
 def test_decode_worker_verifies_the_prefill_workers_drafts_from_its_first_step(
     agreeing_glm, prefill_k
 ):
-    """Tokens equal a mixed engine's without MTP; the MTP layer's prompt KV arrives
-    byte-identical; every decode step, the first included, verifies K drafts (the
-    drafter always agrees, so the counts follow from the output length alone)."""
+    """Prompts prefilled in chunks of 16 tokens: tokens equal a mixed engine's without
+    MTP; the MTP layer's prompt KV arrives byte-identical; every decode step, the first
+    included, verifies K drafts (the drafter always agrees, so the counts follow from the
+    output length alone)."""
     k = 2
     prefill = _engine(agreeing_glm, "prefill", prefill_k, block_size=16)
     decode = _engine(agreeing_glm, "decode", k)
