@@ -55,11 +55,7 @@ def start_group(
     size = config.parallel.expert_parallel_size
     if size == 1 or member is not None:
         return None, member
-    check_expert_parallel(size, hf_config, device)
-    if getattr(config, "speculative_config", None) is not None:
-        raise ValueError(
-            "speculative decoding with parallel.expert_parallel_size > 1 is not supported yet"
-        )
+    check_expert_parallel(size, hf_config, device)  # (MTP with N > 1: EngineConfig refuses)
     front = GroupFront(config, device, delta_outputs)
     return front, front.member
 
