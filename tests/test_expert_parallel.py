@@ -11,6 +11,7 @@ checkpoint whose routing sends every token to the other rank's experts.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import subprocess
 import sys
@@ -266,3 +267,40 @@ def test_metrics_show_each_ranks_tokens_per_expert():
     family = next(f for f in collector.collect() if f.name == "splitserve_expert_tokens")
     got = {(s.labels["rank"], s.labels["expert"]): s.value for s in family.samples}
     assert got == {("0", "0"): 3, ("0", "1"): 0, ("1", "2"): 5, ("1", "3"): 7}
+
+
+def test_an_engine_process_hosts_a_group_unchanged():
+    """A replica's engine process builds ``LLMEngine(config)``; with two ranks it starts
+    the other itself, and what a front is served equals one rank's tokens."""
+    from splitserve.workers.engine.engine_client import EngineClient
+    from splitserve.workers.engine.engine_connection import EngineConnection
+    from splitserve.workers.engine.messages import Delta, GenerateCall
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1 + i, 7, 42, 9 + i] * (i + 1) for i in range(4)]
+    config = {"model": "qwen3-moe-tiny", "device": "cpu", "scheduler": {"max_model_len": 256}}
+    client = EngineClient(
+        EngineConfig.from_dict({**config, "parallel": {"expert_parallel_size": 2}}), secret="s"
+    )
+
+    async def served() -> list[list[int]]:
+        front = await EngineConnection.open(client.address, "s", "the test")
+
+        async def tokens(call: GenerateCall) -> list[int]:
+            got = []
+            async for events in front.generate(call):
+                got += [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+            return got
+
+        calls = [GenerateCall(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        try:
+            return list(await asyncio.gather(*map(tokens, calls)))
+        finally:
+            front.close()
+
+    try:
+        got = asyncio.run(served())
+    finally:
+        client.shutdown()
+    llm = LLM("qwen3-moe-tiny", device="cpu", max_model_len=256)
+    assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
