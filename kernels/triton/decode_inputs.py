@@ -25,7 +25,10 @@ _TOKEN, _SOURCE, _POSITION = tl.constexpr(TOKEN), tl.constexpr(SOURCE), tl.const
 _SLOT, _SEQ_LEN = tl.constexpr(SLOT), tl.constexpr(SEQ_LEN)
 
 
-@triton.jit
+# The row count, the block tables' width and the staged slot's address change from
+# step to step: one compiled kernel for all of them, not a variant per divisibility
+# class met for the first time in the middle of serving.
+@triton.jit(do_not_specialize=["staged_ptr", "n", "width", "stride_table", "pad_seq_len"])
 def _stage_kernel(
     staged_ptr,  # [n, STAGED_COLUMNS + width] int32, page-locked host memory (or device)
     previous_ptr,  # [>= n] int64 (HAS_PREVIOUS)

@@ -53,6 +53,7 @@ from splitserve.workers.output.request_output import CompletionOutput, RequestOu
 from splitserve.workers.parallel.front import GroupFront, start_group
 from splitserve.workers.parallel.group import GroupMember, tokens_per_expert
 from splitserve.workers.parallel.lockstep import Lockstep
+from splitserve.workers.runner.kernel_warmup import warm_sampling_kernels
 from splitserve.workers.runner.model_runner import GraphLimits, LaunchedStep, ModelRunner
 from splitserve.workers.sampling.sampler import Sampler, TokenLogprobs
 from splitserve.workers.spec_decode.mtp_proposer import MTPProposer
@@ -177,6 +178,8 @@ class LLMEngine:
             self.async_scheduling = False
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
         self.runner.capture_graphs()
+        max_rows = config.scheduler.max_num_seqs * (1 + num_spec)  # sampled rows a step
+        warm_sampling_kernels(model, self.sampler, self.device, max_rows)
         if self.ep_front is not None:
             self.ep_front.wait_ready()
         logger.info(
