@@ -18,7 +18,9 @@ from splitserve.workers.runner.cuda_graphs.draft_runner import (
     DraftGraphRunner,
 )
 from splitserve.workers.runner.cuda_graphs.owner import GraphOwner
+from splitserve.workers.runner.forward_batch import Phase
 from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch
+from splitserve.workers.runner.model_runner import decode_rows
 from splitserve.workers.runner.step_plan import plan_step
 
 HIDDEN = 8
@@ -174,3 +176,42 @@ def test_the_engine_drafts_through_the_graphs_when_the_step_allows(tmp_path):
     assert graphed.spec_stats.num_draft_tokens == eager.spec_stats.num_draft_tokens
     assert graphed.spec_stats.num_accepted_tokens == eager.spec_stats.num_accepted_tokens
     assert sizes and any(n not in r.sizes for n in sizes)  # padded replays among them
+
+
+def test_a_verify_step_as_decode_rows_computes_what_the_verify_step_does():
+    """The decode graphs run a verify step as one decode row a token (row j of a request
+    attends j more keys): the same hidden states and KV as the verify step's causal
+    attention."""
+    config, _ = load_hf_config("glm4-moe-tiny")
+    model = load_model(config, None, torch.float32, "cpu")
+    layout = model.kv_layout.with_storage(4, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 512, (n,), generator=g).tolist() for n in (6, 11)]
+    tables = [[1, 2, 3], [4, 5, 6, 7]]
+    verify = [
+        StepRequest([p[-1], 9, 8, 7], len(p) - 1, t, sample=True, num_drafts=3)
+        for p, t in zip(prompts, tables)
+    ]
+    rows = decode_rows(verify)
+    assert [(r.new_token_ids, r.num_computed) for r in rows[:4]] == [
+        ([prompts[0][-1]], 5),
+        ([9], 6),
+        ([8], 7),
+        ([7], 8),
+    ]
+    assert decode_rows([StepRequest([1, 2], 0, [1], sample=True)]) is None  # a prefill
+    hidden, caches = [], []
+    for steps in (verify, rows):
+        cache = KVCache(layout, 16, "cpu")
+        prefill = [StepRequest(p[:-1], 0, t, sample=False) for p, t in zip(prompts, tables)]
+        backend = TorchAttentionBackend()
+        with torch.inference_mode():
+            fb = build_forward_batch(prefill, cache, backend, "cpu")
+            model(fb.input_ids, fb.positions, fb)
+            fb = build_forward_batch(steps, cache, backend, "cpu")
+            hidden.append(model(fb.input_ids, fb.positions, fb))
+        caches.append(cache)
+        assert fb.phase == (Phase.VERIFY if steps is verify else Phase.DECODE)
+    assert torch.allclose(hidden[0], hidden[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)

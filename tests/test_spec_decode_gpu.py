@@ -50,7 +50,7 @@ def _engine(path, k: int, graphs: bool) -> LLMEngine:
             attention_backend="torch",  # head_dim 32: FlashInfer does not build it
             cache=CacheConfig(block_size=16, num_kv_blocks=64),
             scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256),
-            cuda_graph=CudaGraphConfig(enabled=graphs, decode_sizes=[1, 2, 4, 8]),
+            cuda_graph=CudaGraphConfig(enabled=graphs),  # decode sizes to 8 * (1 + K) tokens
             speculative_config=SpeculativeConfig("mtp", k) if k else None,
         )
     )
@@ -82,6 +82,20 @@ def _count_replays(eng: LLMEngine) -> list[int]:
     return calls
 
 
+def _count_verify_replays(eng: LLMEngine) -> list[int]:
+    """Decode-graph replays with several rows of one request (a verify step)."""
+    graphs = eng.runner.decode_graphs
+    calls = [0]
+    replay = graphs.replay_steps
+
+    def counted(steps, *args, **kwargs):
+        calls[0] += len({id(s.block_ids) for s in steps}) < len(steps)
+        return replay(steps, *args, **kwargs)
+
+    graphs.replay_steps = counted
+    return calls
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_graphs_with_mtp_equal_eager(drafter, k):
     expected = _run(_engine(drafter, 0, graphs=False))
@@ -90,9 +104,11 @@ def test_graphs_with_mtp_equal_eager(drafter, k):
     graphed = _engine(drafter, k, graphs=True)
     assert graphed.runner.draft_graphs in graphed.runner.graphs.runners
     replays = _count_replays(graphed)
+    verify_replays = _count_verify_replays(graphed)
     assert _run(graphed) == expected
     assert graphed.spec_stats.num_accepted_tokens > 0
     assert (replays[0] > 0) == (k > 1)  # K = 1 drafts in the first pass alone
+    assert verify_replays[0] > 0  # verify steps ran as decode rows in the decode graphs
     blocks = graphed.block_manager
     assert blocks.num_free_blocks == blocks.num_usable_blocks
     assert graphed.kv_cache.null_page_is_zero()

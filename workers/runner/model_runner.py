@@ -118,9 +118,9 @@ class ModelRunner:
         owner = GraphOwner(self.device, self.attn_backend)
         config = limits.config
         max_blocks = -(-limits.max_model_len // self.kv_cache.block_size)
-        decode_sizes = [
-            n for n in config.decode_capture_sizes(limits.max_num_seqs) if n <= limits.max_num_seqs
-        ]
+        # Sizes in tokens: a verify step of every request has 1 + K rows a request.
+        rows = limits.max_num_seqs * (1 + self.num_speculative_tokens)
+        decode_sizes = [n for n in config.decode_capture_sizes(rows) if n <= rows]
         if decode_sizes and self.attn_backend.supports_decode_graphs(decode_sizes[-1], max_blocks):
             self.decode_graphs = DecodeGraphRunner(
                 self.model,
@@ -132,7 +132,8 @@ class ModelRunner:
                 expert_parallel=self.lockstep is not None,
             )
             owner.register(self.decode_graphs)
-        self._register_draft_graphs(owner, decode_sizes, max_blocks)
+        draft_sizes = [n for n in decode_sizes if n <= limits.max_num_seqs]
+        self._register_draft_graphs(owner, draft_sizes, max_blocks)
         prefill_sizes = [n for n in config.prefill_sizes if n <= limits.max_num_batched_tokens]
         if config.piecewise and prefill_sizes and self.lockstep is None:  # EP: eager prefill
             owner.register(
@@ -214,10 +215,24 @@ class ModelRunner:
         on_layer_stored: Callable[[int], None] | None,
     ) -> LaunchedStep:
         """A step with the MTP drafter: forward, verify or sample, draft; read back at
-        once (the accepted runs decide where the drafts go)."""
-        fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, self.device, plan=False)
-        fb.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
-        hidden = self.forward(fb)
+        once (the accepted runs decide where the drafts go).
+
+        A step of decodes and verifies replays the decode graph of its token count: a
+        request's ``1 + k`` tokens are ``1 + k`` decode rows over its block table, row
+        ``j`` attending ``j`` more keys (the causal mask of a verify step)."""
+        rows = decode_rows(steps)
+        graphs = self.decode_graphs if on_layer_stored is None else None
+        if rows is not None and graphs is not None and graphs.can_run_steps(rows):
+            self.capture_graphs()
+            hidden, _ = graphs.replay_steps(rows, [-1] * len(rows), None)
+            # The drafter's first pass runs eagerly over the same rows.
+            fb = build_forward_batch(rows, self.kv_cache, self.attn_backend, self.device)
+        else:
+            fb = build_forward_batch(
+                steps, self.kv_cache, self.attn_backend, self.device, plan=False
+            )
+            fb.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
+            hidden = self.forward(fb)
         # The step's graph decision, made once, goes to the drafter.
         draft_graphs = self.draft_graphs if on_layer_stored is None else None
         if draft_graphs is not None:
@@ -230,6 +245,10 @@ class ModelRunner:
             if s.num_computed and len(s.new_token_ids) == 1 + s.num_drafts
         )
         return LaunchedStep(batch, sampling, None, fb.num_tokens - decode, decode, speculative=spec)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculator.num_speculative_tokens if self.speculator is not None else 0
 
     def forward(
         self, fb: ForwardBatch, use_graphs: bool = True, group: GroupStep | None = None
@@ -307,6 +326,18 @@ class GraphLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+
+
+def decode_rows(steps: list[StepRequest]) -> list[StepRequest] | None:
+    """A step whose requests all decode or verify as one decode row a token (row ``j`` of a
+    request: its token ``j`` after ``num_computed + j`` keys); None when one prefills."""
+    if not all(s.num_computed and len(s.new_token_ids) == 1 + s.num_drafts for s in steps):
+        return None
+    return [
+        StepRequest([token], s.num_computed + j, s.block_ids, sample=True)
+        for s in steps
+        for j, token in enumerate(s.new_token_ids)
+    ]
 
 
 def _step_request(request: Request, num_tokens: int) -> StepRequest:
