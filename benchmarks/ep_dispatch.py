@@ -46,13 +46,9 @@ try:  # run as a script: benchmarks/ is on the path
 except ImportError:  # imported as a module
     from benchmarks import roofline
 
+from splitserve.kernels.ep_rows import RowLayout
 from splitserve.workers.model.layers.moe import GroupedTopKRouter, MoEBlock
-from splitserve.workers.parallel.dispatch import (
-    Dispatcher,
-    DispatchMode,
-    MoEDispatch,
-    RowLayout,
-)
+from splitserve.workers.parallel.dispatch import Dispatcher, DispatchMode, MoEDispatch
 from splitserve.workers.parallel.group import (
     attach_dispatcher,
     expert_shard,

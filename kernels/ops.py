@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from splitserve.kernels import activation, kv_store, moe_routing, rmsnorm, rotary, tuning
+from splitserve.kernels import activation, ep_rows, kv_store, moe_routing, rmsnorm, rotary, tuning
 from splitserve.kernels import argmax as greedy
 from splitserve.kernels import decode_inputs as staging
 from splitserve.kernels import fused_moe as moe
@@ -39,6 +39,7 @@ def _triton() -> SimpleNamespace:
     from splitserve.kernels.triton import activation as t_activation
     from splitserve.kernels.triton import argmax as t_argmax
     from splitserve.kernels.triton import decode_inputs as t_decode_inputs
+    from splitserve.kernels.triton import ep_rows as t_ep_rows
     from splitserve.kernels.triton import fused_moe as t_fused_moe
     from splitserve.kernels.triton import gate_up_silu as t_gate_up_silu
     from splitserve.kernels.triton import kv_store as t_kv_store
@@ -52,6 +53,7 @@ def _triton() -> SimpleNamespace:
         activation=t_activation,
         argmax=t_argmax,
         decode_inputs=t_decode_inputs,
+        ep_rows=t_ep_rows,
         fused_moe=t_fused_moe,
         gate_up_silu=t_gate_up_silu,
         kv_store=t_kv_store,
@@ -168,6 +170,28 @@ def fused_moe(
     return kernels.fused_moe(
         hidden, w13, w2, topk_weights, topk_ids, skip_negative_ids=skip_negative_ids
     )
+
+
+def ep_send_rows(
+    hidden: torch.Tensor,  # [T, H]
+    topk_ids: torch.Tensor,  # [T, top_k] global expert ids
+    topk_weights: torch.Tensor,  # [T, top_k]
+    slot_mapping: torch.Tensor | None,  # [T]; -1: padding, not sent
+    experts_per_rank: int,
+    ranks: int,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallelism, DECODE mode: the fixed-capacity send buffer ``[N * C, row
+    bytes]`` and where each token went, ``row [T, N]`` (``kernels/ep_rows.py``)."""
+    kernels = _triton().ep_rows if use_triton(hidden) else ep_rows
+    args = (hidden, topk_ids, topk_weights, slot_mapping, experts_per_rank, ranks, capacity)
+    return kernels.send_rows(*args)
+
+
+def ep_sum_rows(back: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Expert parallelism, DECODE mode: each token's returned rows summed in float32."""
+    kernels = _triton().ep_rows if use_triton(back) else ep_rows
+    return kernels.sum_rows(back, row)
 
 
 def linear(

@@ -20,7 +20,9 @@ Two modes, one per step (``lockstep.py`` says which; every rank runs the same):
   no host sync, and the layer can be captured in a CUDA graph.
 
 Rows whose KV slot is -1 (a graph's padding, an idle rank's dummy token) are not
-sent. Both modes go through ``data``: NCCL on GPUs, gloo on CPU.
+sent. Both modes go through ``data``: NCCL on GPUs, gloo on CPU. The row layout and
+DECODE mode's buffer and sum are kernels (``kernels/ep_rows.py``; on a GPU three
+launches to fill the buffer and one to sum what comes back).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SKIP = -1  # a top-k choice the receiving rank does not hold
+from splitserve.kernels import ops
+from splitserve.kernels.ep_rows import RowLayout, choices_for, destinations
 
 
 class DispatchMode(enum.Enum):
@@ -73,42 +76,6 @@ class DecodeRoute:
     row: torch.Tensor  # [tokens, ranks]: the row of rank d's part of token t; N*C: none
 
 
-@dataclass(frozen=True)
-class RowLayout:
-    """One packed row: hidden state, then int32 ids, then float32 weights, as bytes."""
-
-    hidden: int
-    top_k: int
-    dtype: torch.dtype
-
-    @property
-    def hidden_bytes(self) -> int:
-        return self.hidden * self.dtype.itemsize
-
-    @property
-    def bytes(self) -> int:
-        return self.hidden_bytes + 8 * self.top_k
-
-    def pack(self, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        parts = (hidden.to(self.dtype), ids.to(torch.int32), weights.to(torch.float32))
-        return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=-1)
-
-    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views into ``rows`` (no copy: a row's bytes are a multiple of 4)."""
-        h, k = self.hidden_bytes, 4 * self.top_k
-        return (
-            rows[:, :h].view(self.dtype),
-            rows[:, h : h + k].view(torch.int32),
-            rows[:, h + k :].view(torch.float32),
-        )
-
-    def padding(self, num_rows: int, device: torch.device) -> torch.Tensor:
-        """Rows that hold nothing: zero hidden state, every id -1."""
-        rows = torch.zeros(num_rows, self.bytes, dtype=torch.uint8, device=device)
-        rows[:, self.hidden_bytes : self.hidden_bytes + 4 * self.top_k] = 0xFF  # int32 -1
-        return rows
-
-
 class Dispatcher:
     """One rank's dispatch and combine over the group's ``data`` process group."""
 
@@ -125,39 +92,17 @@ class Dispatcher:
     ) -> Received:
         if step is None:
             raise RuntimeError("an expert-parallel MoE layer ran without the step's dispatch")
-        if hidden.shape[-1] * hidden.dtype.itemsize % 4:
-            raise ValueError(f"hidden size {hidden.shape[-1]} packs into no whole int32 rows")
-        sends = self._sends(topk_ids, step.slot_mapping)
         layout = RowLayout(hidden.shape[-1], topk_ids.shape[-1], hidden.dtype)
+        layout.check()
         if step.mode == DispatchMode.DECODE:
-            return self._dispatch_fixed(hidden, topk_weights, topk_ids, sends, layout, step)
-        return self._dispatch_variable(hidden, topk_weights, topk_ids, sends, layout)
+            return self._dispatch_fixed(hidden, topk_weights, topk_ids, layout, step)
+        return self._dispatch_variable(hidden, topk_weights, topk_ids, layout, step)
 
     def combine(self, out: torch.Tensor, received: Received) -> torch.Tensor:
         """Each source token's sum over the ranks' parts, in the source's row order."""
         if isinstance(received.route, DecodeRoute):
             return self._combine_fixed(out, received.route)
         return self._combine_variable(out, received.route)
-
-    # -- what goes where ---------------------------------------------------------
-
-    def _sends(self, topk_ids: torch.Tensor, slot_mapping: torch.Tensor | None) -> torch.Tensor:
-        """``[tokens, ranks]`` bool: token t goes to rank d (one of its choices is there)."""
-        owner = topk_ids // self.experts_per_rank
-        ranks = torch.arange(self.size, device=topk_ids.device)
-        sends = (owner[:, :, None] == ranks).any(dim=1)
-        if slot_mapping is not None:
-            sends &= (slot_mapping >= 0)[:, None]
-        return sends
-
-    def _choices(
-        self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, dest: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The choices as rank ``dest`` (per row) sees them: its numbering, -1 elsewhere."""
-        first = dest[..., None] * self.experts_per_rank
-        here = (topk_ids >= first) & (topk_ids < first + self.experts_per_rank)
-        ids = torch.where(here, topk_ids - first, SKIP)
-        return ids, torch.where(here, topk_weights.float(), 0.0)
 
     def _all_to_all(self, out, inp, out_splits=None, in_splits=None) -> None:
         out_splits = [] if out_splits is None else out_splits
@@ -166,13 +111,16 @@ class Dispatcher:
 
     # -- prefill mode: variable sizes ---------------------------------------------
 
-    def _dispatch_variable(self, hidden, topk_weights, topk_ids, sends, layout) -> Received:
+    def _dispatch_variable(self, hidden, topk_weights, topk_ids, layout, step) -> Received:
+        sends = destinations(topk_ids, step.slot_mapping, self.experts_per_rank, self.size)
         dest, token = sends.t().nonzero(as_tuple=True)  # grouped by rank, tokens in order
         counts = torch.bincount(dest, minlength=self.size)
         recv_counts = torch.empty_like(counts)
         self._all_to_all(recv_counts, counts)
         send_splits, recv_splits = counts.tolist(), recv_counts.tolist()  # the host waits
-        ids, weights = self._choices(topk_ids[token], topk_weights[token], dest)
+        ids, weights = choices_for(
+            topk_ids[token], topk_weights[token], dest, self.experts_per_rank
+        )
         rows = layout.pack(hidden[token], ids, weights)
         got = rows.new_empty(sum(recv_splits), layout.bytes)
         self._all_to_all(got, rows, recv_splits, send_splits)
@@ -187,26 +135,20 @@ class Dispatcher:
 
     # -- decode mode: fixed capacity ------------------------------------------------
 
-    def _dispatch_fixed(self, hidden, topk_weights, topk_ids, sends, layout, step) -> Received:
-        num_tokens, capacity, n = hidden.shape[0], step.capacity, self.size
-        if num_tokens > capacity:
-            raise ValueError(f"{num_tokens} tokens exceed the decode dispatch capacity {capacity}")
-        ranks = torch.arange(n, device=hidden.device)
-        place = sends.long().cumsum(dim=0) - 1  # [tokens, ranks]: the token's place in d's rows
-        row = torch.where(sends, ranks * capacity + place, n * capacity)  # n*C: discarded
-        dest = ranks.expand(num_tokens, n)
-        ids, weights = self._choices(
-            topk_ids[:, None, :].expand(-1, n, -1), topk_weights[:, None, :].expand(-1, n, -1), dest
-        )
-        rows = layout.pack(hidden[:, None, :].expand(-1, n, -1), ids, weights)
-        buffer = layout.padding(n * capacity + 1, hidden.device)
-        buffer.index_copy_(0, row.flatten(), rows.view(num_tokens * n, layout.bytes))
-        got = torch.empty_like(buffer[:-1])
-        self._all_to_all(got, buffer[:-1])
+    def _dispatch_fixed(self, hidden, topk_weights, topk_ids, layout, step) -> Received:
+        if hidden.shape[0] > step.capacity:
+            raise ValueError(
+                f"{hidden.shape[0]} tokens exceed the decode dispatch capacity {step.capacity}"
+            )
+        buffer, row = ops.ep_send_rows(
+            hidden, topk_ids, topk_weights, step.slot_mapping, self.experts_per_rank,
+            self.size, step.capacity,
+        )  # fmt: skip
+        got = torch.empty_like(buffer)
+        self._all_to_all(got, buffer)
         return Received(*layout.unpack(got), DecodeRoute(row))
 
     def _combine_fixed(self, out: torch.Tensor, route: DecodeRoute) -> torch.Tensor:
-        back = out.new_empty(out.shape[0] + 1, out.shape[-1])
-        back[-1].zero_()  # the discarded row: a rank the token did not go to adds zero
-        self._all_to_all(back[:-1], out.contiguous())
-        return back[route.row].float().sum(dim=1).to(out.dtype)
+        back = torch.empty_like(out)
+        self._all_to_all(back, out.contiguous())
+        return ops.ep_sum_rows(back, route.row)
