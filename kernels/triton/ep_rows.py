@@ -35,23 +35,24 @@ def _number_rows_kernel(
     CHUNK: tl.constexpr,
 ):
     ranks = tl.arange(0, BLOCK_R)
-    seen = tl.zeros([BLOCK_R], dtype=tl.int64)  # tokens each rank got in earlier chunks
+    seen = tl.zeros([BLOCK_R], dtype=tl.int32)  # tokens each rank got in earlier chunks
     for first in range(0, num_tokens, CHUNK):
         t = first + tl.arange(0, CHUNK)
         t_ok = t < num_tokens
-        sends = tl.zeros([CHUNK, BLOCK_R], dtype=tl.int64)
+        sends = tl.zeros([CHUNK, BLOCK_R], dtype=tl.int32)
         for j in tl.static_range(TOP_K):
             e = tl.load(ids_ptr + t.to(tl.int64) * TOP_K + j, mask=t_ok, other=-1).to(tl.int64)
             owner = tl.where(e >= 0, e // experts_per_rank, -1)
-            sends = sends | (owner[:, None] == ranks[None, :]).to(tl.int64)
+            sends = sends | (owner[:, None] == ranks[None, :]).to(tl.int32)
         if HAS_SLOTS:
             live = tl.load(slots_ptr + t, mask=t_ok, other=-1) >= 0
-            sends = sends * live[:, None].to(tl.int64)
+            sends = sends * live[:, None].to(tl.int32)
         keep = t_ok[:, None] & (ranks < RANKS)[None, :]
         sends = tl.where(keep, sends, 0)
         place = tl.cumsum(sends, axis=0) - sends + seen[None, :]
         row = tl.where(sends > 0, ranks[None, :] * capacity + place, RANKS * capacity)
-        tl.store(row_ptr + t[:, None].to(tl.int64) * RANKS + ranks[None, :], row, mask=keep)
+        dst = row_ptr + t[:, None].to(tl.int64) * RANKS + ranks[None, :]
+        tl.store(dst, row.to(tl.int64), mask=keep)
         seen += tl.sum(sends, axis=0)
 
 
