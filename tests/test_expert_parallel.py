@@ -304,3 +304,58 @@ def test_an_engine_process_hosts_a_group_unchanged():
         client.shutdown()
     llm = LLM("qwen3-moe-tiny", device="cpu", max_model_len=256)
     assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+# ---- a rank's shard of the experts -----------------------------------------------------
+
+
+def test_a_rank_loads_and_reads_only_its_experts(qwen_moe, monkeypatch):
+    import safetensors
+
+    from splitserve.workers.model import loader
+    from splitserve.workers.model.layers.moe import ExpertShard
+
+    path = qwen_moe[0]
+    config = load_hf_config(str(path))[0]
+    whole = loader.load_model(config, path, torch.float32, "cpu")
+    read: list[str] = []
+    opened = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(loader, "safe_open", Recording)
+    shard = ExpertShard(first=4, count=4, total=8)
+    half = loader.load_model(config, path, torch.float32, "cpu", expert_shard=shard)
+    mine, full = half.model.layers[0].mlp.experts, whole.model.layers[0].mlp.experts
+    assert torch.equal(mine.w13_weight, full.w13_weight[4:])
+    assert torch.equal(mine.w2_weight, full.w2_weight[4:])
+    experts_read = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
+    assert experts_read == {4, 5, 6, 7}
+
+
+def test_random_init_gives_a_shard_the_whole_models_experts():
+    from splitserve.workers.model.layers.moe import ExpertShard
+    from splitserve.workers.model.loader import load_model
+
+    config = load_hf_config("qwen3-moe-tiny")[0]
+    whole = load_model(config, None, torch.float32, "cpu", seed=5)
+    half = load_model(config, None, torch.float32, "cpu", seed=5, expert_shard=ExpertShard(4, 4, 8))
+    assert torch.equal(
+        half.model.layers[1].mlp.experts.w2_weight, whole.model.layers[1].mlp.experts.w2_weight[4:]
+    )
