@@ -1,8 +1,9 @@
 """``splitserve serve`` and ``splitserve scale``: run the cluster app, resize its pools.
 
 ``serve`` starts Ray (or joins ``--address``), deploys the ingress and the
-pools, prints the URL, and serves until Ctrl-C or SIGTERM, then deletes the
-app and shuts down what it started. What can be checked before deploying is
+pools behind the HTTP proxy the config names (``http_front.py``), prints the
+URL, and serves until Ctrl-C or SIGTERM, then deletes the app and shuts down
+what it started. What can be checked before deploying is
 checked in the driver (``startup_checks.py``; a context longer than the model's
 is lowered to it); a replica that still fails to start ends the command with
 its cause and status 1. With no arguments it serves
@@ -18,7 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import shutil
 import signal
+import tempfile
 import threading
 from importlib import resources
 from pathlib import Path
@@ -108,18 +112,26 @@ def serve_main(args: argparse.Namespace) -> int:
     from ray import serve
 
     from splitserve.cluster.app import build_app
+    from splitserve.cluster.http_front import HAPROXY_ENV, front_environment
     from splitserve.cluster.startup_checks import deployment_failure, fit_to_model
 
+    started_ray = args.address is None
+    run_dir = Path(tempfile.mkdtemp(prefix="splitserve-"))
     try:
         config = load_config(args)
-        notes = fit_to_model(config, local=args.address is None)
+        notes = fit_to_model(config, local=started_ray)
+        env = front_environment(config, run_dir) if started_ray else {}
     except (OSError, ValueError) as e:
         print(f"splitserve serve: {e}", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
         return 2
+    if not started_ray and config.http.proxy == "haproxy":
+        names = " ".join(f"{k}={v}" for k, v in HAPROXY_ENV.items())
+        notes.append(f"http.proxy: haproxy needs the cluster started with {names}")
     for note in notes:
         print(f"splitserve: {note}", flush=True)
+    os.environ.update(env)  # the Ray instance started here inherits it
     ray.init(address=args.address, namespace=config.app_name, log_to_driver=False)
-    started_ray = args.address is None
     serve.start(http_options={"host": config.host, "port": config.port})
     try:
         try:
@@ -140,6 +152,7 @@ def serve_main(args: argparse.Namespace) -> int:
         if started_ray:
             serve.shutdown()
             ray.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
     return 0
 
 

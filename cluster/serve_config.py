@@ -20,6 +20,7 @@ from splitserve.cluster.routing import RouterConfig
 from splitserve.config import EngineConfig, known_keys
 
 POOLS = ("prefill", "decode", "mixed")
+PROXIES = ("haproxy", "serve")  # http.proxy
 
 
 @dataclass
@@ -29,8 +30,9 @@ class PoolConfig:
     max_replicas: int | None = None
     num_cpus: float = 0.0  # Ray resources per replica
     num_gpus: float | None = None  # None: 1 when the engine runs on CUDA, else 0
-    max_ongoing_requests: int = 512  # per replica
-    # Requests waiting for a replica of this pool, per caller; beyond it a request gets 503.
+    max_ongoing_requests: int = 512  # per replica: its engine answers Overloaded beyond it
+    # Requests an ingress replica holds while every replica of this pool is at its
+    # max_ongoing_requests; beyond it a request gets 503.
     max_queued_requests: int = 4096
     # Autoscaling targets per replica: the prefill pool scales on queued prompt
     # tokens, the decode and mixed pools on running requests and KV usage.
@@ -114,14 +116,23 @@ class HttpConfig:
     ``cors_origins``: origins a browser may call from (``["*"]`` for any); empty: no CORS.
     ``max_body_bytes``: larger bodies get 413 before they are read. The default holds a
     prompt of a million token ids; a text prompt is also bounded by the context length.
+    ``proxy``: what carries HTTP to the ingress replicas. ``haproxy`` (Ray Serve's HAProxy
+    mode): HAProxy on ``host:port`` forwards each connection to an ingress replica's
+    own HTTP server, with no Ray call on the way (``cluster/http_front.py``); ``serve``:
+    Ray Serve's proxy actor, one more hop (about 6 ms added to every request's TTFT).
     """
 
     api_key: str | None = None
     auth_health_and_metrics: bool = False
     cors_origins: list[str] = field(default_factory=list)
     max_body_bytes: int = 16 * 2**20
+    proxy: str = "haproxy"
 
     def check(self) -> None:
+        if self.proxy not in PROXIES:
+            raise ValueError(
+                f"invalid http.proxy={self.proxy!r}: must be one of {', '.join(PROXIES)}"
+            )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("invalid http.api_key: must be a non-empty string or null")
         if not isinstance(self.auth_health_and_metrics, bool):

@@ -7,6 +7,7 @@ kill replicas and resize the pools.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -105,6 +106,32 @@ def test_models_and_health(server):
     assert status == 200 and json.loads(raw)["data"][0]["id"] == "tiny"
     status, raw = server.request("GET", "/health")
     assert status == 200 and json.loads(raw)["replicas"] == {"prefill": 1, "decode": 1}
+
+
+def test_http_goes_through_haproxy(server):
+    """The default ``http.proxy: haproxy``: the port belongs to HAProxy, which forwards to
+    an ingress replica's own HTTP server (no Ray Serve proxy actor on the way)."""
+    assert _listener_of(server.port) == "haproxy"
+    assert server.request("GET", "/v1/models")[0] == 200
+
+
+def _listener_of(port: int) -> str:
+    """The name of the process listening on 127.0.0.1:``port``."""
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        lines = f.read().splitlines()[1:]
+    for line in lines:
+        fields = line.split()
+        if fields[1].endswith(f":{port:04X}") and fields[3] == "0A":  # LISTEN
+            inodes.add(fields[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    with open(f"/proc/{pid}/comm") as f:
+                        return f.read().strip()
+    return ""
 
 
 def test_32_concurrent_streams_complete(server):
