@@ -21,7 +21,9 @@ Per tokens-a-rank T (top-k routing drawn uniformly over the experts):
 
 Floor: the bytes that must cross to the other rank (each token with a choice there
 once, packed: hidden, ids, weights; and its sum coming back) at the peer bandwidth.
-DECODE mode moves its whole capacity (``sent MiB``). Times are the slower rank's.
+DECODE mode moves its whole capacity (``sent MiB``); ``all-to-alls us`` is its two
+exchanges alone on buffers of its sizes (what the packing and summing add is the
+difference). Times are the slower rank's.
 
 The layer: GLM-4.5-Air's MoE (hidden 4096, 128 routed experts of 1408, top-8 of one
 group, one shared expert), ``--layer-batch`` tokens a rank, EP2 in DECODE mode: router,
@@ -166,9 +168,23 @@ class Bench:
 
             run = self.graphed(both)[0] if mode == DispatchMode.DECODE else both
             row[f"{mode.value}_us"] = self.slowest(self.time_us(run))
+        row["all_to_all_us"] = self.slowest(self.time_us(self.bare_exchange(tokens, layout)))
         row["decode_sent_mib"] = tokens * (layout.bytes + hidden * DTYPE.itemsize) / 2**20
         row["floor_mib"] = floor_bytes / 2**20
         return row
+
+    def bare_exchange(self, tokens: int, layout: RowLayout):
+        """DECODE mode's two all-to-alls alone, on buffers of its sizes (graphed)."""
+        opts = dist.AllToAllOptions()
+        send = torch.zeros(RANKS * tokens, layout.bytes, dtype=torch.uint8, device=self.device)
+        sums = torch.zeros(RANKS * tokens, layout.hidden, dtype=DTYPE, device=self.device)
+        got, back = torch.empty_like(send), torch.empty_like(sums)
+
+        def exchange():
+            self.group.data.alltoall_base(got, send, [], [], opts).wait()
+            self.group.data.alltoall_base(back, sums, [], [], opts).wait()
+
+        return self.graphed(exchange)[0]
 
     def routed(self, tokens: int, hidden: int, top_k: int, experts: int, seed: int):
         g = torch.Generator(self.device).manual_seed(1000 * seed + self.group.rank)
@@ -221,11 +237,11 @@ def report(result: dict, args: argparse.Namespace) -> None:
         f"{args.experts} experts, EP{RANKS}",
         flush=True,
     )
-    columns = ["tokens/rank", "prefill us", "decode us", "floor us", "decode/floor", "floor MiB"]
-    columns.append("decode sent MiB")
+    columns = ["tokens/rank", "prefill us", "decode us", "all-to-alls us", "floor us"]
+    columns += ["decode/floor", "floor MiB", "decode sent MiB"]
     rows = [
         [
-            r["tokens"], r["prefill_us"], r["decode_us"], r["floor_us"],
+            r["tokens"], r["prefill_us"], r["decode_us"], r["all_to_all_us"], r["floor_us"],
             r["decode_us"] / r["floor_us"] if r["floor_us"] else None, r["floor_mib"],
             r["decode_sent_mib"],
         ]
