@@ -283,6 +283,8 @@ class LLMEngine:
 
     def clear_parameters(self) -> None:
         """Free the weights and drop every CUDA graph (e.g. before an RL weight update)."""
+        if self.runner.lockstep is not None:  # the other ranks would keep theirs
+            raise NotImplementedError("weight updates of an expert-parallel group are not built")
         self.runner.clear_parameters()
 
     def update_parameters(self, checkpoint: str | Path) -> None:
