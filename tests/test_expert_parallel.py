@@ -359,3 +359,40 @@ def test_random_init_gives_a_shard_the_whole_models_experts():
     assert torch.equal(
         half.model.layers[1].mlp.experts.w2_weight, whole.model.layers[1].mlp.experts.w2_weight[4:]
     )
+
+
+def test_prefill_and_decode_workers_keep_their_modes(qwen_moe):
+    """An EP2 prefill worker hands KV to an EP2 decode worker over the CPU transport:
+    every group step of the prefill worker runs PREFILL mode, every one of the decode
+    worker DECODE mode (its ranks idle or not), and the tokens are transformers'."""
+    from splitserve.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig
+    from splitserve.workers.engine.llm_engine import LLMEngine
+    from tests.test_disaggregation import Handoff
+
+    path, prompts, want = qwen_moe
+
+    def engine(role: str) -> LLMEngine:
+        return LLMEngine(
+            EngineConfig(
+                model=str(path), device="cpu", role=role,
+                cache=CacheConfig(num_kv_blocks=128),
+                scheduler=SchedulerConfig(max_model_len=128),
+                kv_transfer=KVTransferConfig(transport="cpu", timeout_s=30.0),
+                parallel=ParallelConfig(expert_parallel_size=2),
+            )
+        )  # fmt: skip
+
+    prefill, decode = engine("prefill"), engine("decode")
+    try:
+        run = Handoff(prefill, decode)
+        for i, p in enumerate(prompts):
+            run.submit(f"r{i}", p, GREEDY)
+        run.run(timeout=120.0)
+        prefill_modes = prefill.runner.lockstep.mode_counts
+        decode_modes = decode.runner.lockstep.mode_counts
+    finally:
+        prefill.close()
+        decode.close()
+    assert [run.tokens[f"r{i}"] for i in range(len(prompts))] == want
+    assert set(prefill_modes) <= {PREFILL, None} and prefill_modes[PREFILL]
+    assert set(decode_modes) <= {DECODE, None} and decode_modes[DECODE]
