@@ -222,10 +222,7 @@ class CompletionRequest(_RequestBase):
             prompt = prompt[0]
         if prompt == [] or prompt == "":
             raise ValueError("the prompt is empty: give some text or at least one token id")
-        if isinstance(prompt, str) or (
-            isinstance(prompt, list)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
+        if isinstance(prompt, str) or (isinstance(prompt, list) and _all_ints(prompt)):
             return prompt
         raise ValueError(
             "must be a string, a list of token ids, or a list holding one of those; "
@@ -322,9 +319,14 @@ def _check_body(body: dict) -> None:
                 where = _location(path)
                 raise invalid_request(f"invalid '{where}': a key is not valid Unicode", where)
             stack += [(item, (*path, key)) for key, item in value.items()]
-        elif isinstance(value, list):
+        elif isinstance(value, list) and not _all_ints(value):  # token ids: nothing inside
             nested = (str, dict, list)
             stack += [(v, (*path, i)) for i, v in enumerate(value) if isinstance(v, nested)]
+
+
+def _all_ints(values: list) -> bool:
+    """Whether every item is an int (not a bool): a C-speed pass over a prompt's ids."""
+    return set(map(type, values)) <= {int}
 
 
 def _encodes(text: str) -> bool:
