@@ -20,7 +20,8 @@ Per tokens-a-rank T (top-k routing drawn uniformly over the experts):
   replayed.
 
 Floor: the bytes that must cross to the other rank (each token with a choice there
-once, packed: hidden, ids, weights; and its sum coming back) at the peer bandwidth.
+once, packed: hidden, ids, weights; and its partial sum coming back, in
+``dispatch.PART_DTYPE``) at the peer bandwidth.
 DECODE mode moves its whole capacity (``sent MiB``); ``all-to-alls us`` is its two
 exchanges alone on buffers of its sizes (what the packing and summing add is the
 difference). Times are the slower rank's.
@@ -50,7 +51,12 @@ except ImportError:  # imported as a module
 
 from splitserve.kernels.ep_rows import RowLayout
 from splitserve.workers.model.layers.moe import GroupedTopKRouter, MoEBlock
-from splitserve.workers.parallel.dispatch import Dispatcher, DispatchMode, MoEDispatch
+from splitserve.workers.parallel.dispatch import (
+    PART_DTYPE,
+    Dispatcher,
+    DispatchMode,
+    MoEDispatch,
+)
 from splitserve.workers.parallel.group import (
     attach_dispatcher,
     expert_shard,
@@ -157,19 +163,21 @@ class Bench:
         owner = ids // (experts // RANKS)
         crossing = int((owner != self.group.rank).any(dim=1).sum())  # rows to the peer
         crossing = max(crossing, int(self.slowest(crossing)))
-        floor_bytes = crossing * (layout.bytes + hidden * DTYPE.itemsize)
+        part = dispatcher.part_dtype  # what the experts' sums travel back in
+        back_bytes = hidden * part.itemsize
+        floor_bytes = crossing * (layout.bytes + back_bytes)
         row = {"tokens": tokens, "floor_us": floor_bytes / peer_gbps / 1e3}
         for mode in (DispatchMode.PREFILL, DispatchMode.DECODE):
             step = MoEDispatch(mode, tokens)
 
             def both(step=step):
                 got = dispatcher.dispatch(x, weights, ids, step)
-                return dispatcher.combine(got.hidden, got)
+                return dispatcher.combine(got.hidden.to(part), got)  # experts: the identity
 
             run = self.graphed(both)[0] if mode == DispatchMode.DECODE else both
             row[f"{mode.value}_us"] = self.slowest(self.time_us(run))
         row["all_to_all_us"] = self.slowest(self.time_us(self.bare_exchange(tokens, layout)))
-        row["decode_sent_mib"] = tokens * (layout.bytes + hidden * DTYPE.itemsize) / 2**20
+        row["decode_sent_mib"] = tokens * (layout.bytes + back_bytes) / 2**20
         row["floor_mib"] = floor_bytes / 2**20
         return row
 
@@ -177,7 +185,8 @@ class Bench:
         """DECODE mode's two all-to-alls alone, on buffers of its sizes (graphed)."""
         opts = dist.AllToAllOptions()
         send = torch.zeros(RANKS * tokens, layout.bytes, dtype=torch.uint8, device=self.device)
-        sums = torch.zeros(RANKS * tokens, layout.hidden, dtype=DTYPE, device=self.device)
+        part = PART_DTYPE
+        sums = torch.zeros(RANKS * tokens, layout.hidden, dtype=part, device=self.device)
         got, back = torch.empty_like(send), torch.empty_like(sums)
 
         def exchange():

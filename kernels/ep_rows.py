@@ -104,8 +104,10 @@ def send_rows(
     return buffer[:-1], row
 
 
-def sum_rows(back: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+def sum_rows(
+    back: torch.Tensor, row: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``[T, H]``: per token the rows ``row`` points at (``N * C``: none) summed in float32,
-    rank by rank, in ``back``'s dtype."""
+    rank by rank, in ``out_dtype`` (None: ``back``'s)."""
     padded = torch.cat([back, back.new_zeros(1, back.shape[-1])])
-    return padded[row].float().sum(dim=1).to(back.dtype)
+    return padded[row].float().sum(dim=1).to(out_dtype or back.dtype)

@@ -18,14 +18,15 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k]; -1: skipped
     skip_negative_ids: bool = False,  # the reference always skips them
+    out_dtype: torch.dtype | None = None,  # the sum's dtype (None: the hidden states')
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Loop over the experts that received tokens (one host sync for the expert list)."""
-    out = torch.zeros_like(hidden)
+    out = torch.zeros(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
     for expert in topk_ids.unique().tolist():
         if expert < 0:
             continue
         token_idx, slot = torch.where(topk_ids == expert)
         x = silu_and_mul(hidden[token_idx] @ w13[expert].t())
         y = (x @ w2[expert].t()) * topk_weights[token_idx, slot, None].to(hidden.dtype)
-        out.index_add_(0, token_idx, y)
+        out.index_add_(0, token_idx, y.to(out.dtype))
     return out

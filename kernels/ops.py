@@ -158,18 +158,21 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
     skip_negative_ids: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Every token through its top-k experts, weighted and summed.
 
     On CUDA: the block-padded layout of ``kernels/moe_align.py`` (at most
     ``num_tokens * top_k + num_experts * (block_m - 1)`` rows) and two grouped GEMMs.
     ``skip_negative_ids``: an id of -1 is a choice computed elsewhere (expert
-    parallelism) and adds nothing.
+    parallelism) and adds nothing. ``out_dtype``: the sum's dtype (None: the hidden
+    states'; an expert-parallel rank's part is float32, rounded once after combine).
     """
     kernels = _triton().fused_moe if use_triton(hidden) else moe
     return kernels.fused_moe(
-        hidden, w13, w2, topk_weights, topk_ids, skip_negative_ids=skip_negative_ids
-    )
+        hidden, w13, w2, topk_weights, topk_ids,
+        skip_negative_ids=skip_negative_ids, out_dtype=out_dtype,
+    )  # fmt: skip
 
 
 def ep_send_rows(
@@ -188,10 +191,13 @@ def ep_send_rows(
     return kernels.send_rows(*args)
 
 
-def ep_sum_rows(back: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """Expert parallelism, DECODE mode: each token's returned rows summed in float32."""
+def ep_sum_rows(
+    back: torch.Tensor, row: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Expert parallelism, DECODE mode: each token's returned rows summed in float32,
+    in ``out_dtype`` (None: ``back``'s)."""
     kernels = _triton().ep_rows if use_triton(back) else ep_rows
-    return kernels.sum_rows(back, row)
+    return kernels.sum_rows(back, row, out_dtype)
 
 
 def linear(

@@ -89,7 +89,7 @@ def graph_case(rank: int, address: str) -> None:
         got = dispatcher.dispatch(x, weights, ids, step)
         local = ops.fused_moe(
             got.hidden, w13[mine], w2[mine], got.topk_weights, got.topk_ids,
-            skip_negative_ids=True,
+            skip_negative_ids=True, out_dtype=dispatcher.part_dtype,
         )  # fmt: skip
         return dispatcher.combine(local, got)
 

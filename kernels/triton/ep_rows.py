@@ -154,11 +154,13 @@ def send_rows(
     return buffer, row
 
 
-def sum_rows(back: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+def sum_rows(
+    back: torch.Tensor, row: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """As ``ep_rows.sum_rows``."""
     num_tokens, ranks = row.shape
     hidden = back.shape[-1]
-    out = torch.empty(num_tokens, hidden, dtype=back.dtype, device=back.device)
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype or back.dtype, device=back.device)
     if num_tokens == 0:
         return out
     block_h = min(1024, triton.next_power_of_2(hidden))

@@ -81,11 +81,14 @@ def fused_moe(
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
     block_sizes: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K)
     skip_negative_ids: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Every token through its top-k experts (gate_up, SiLU-and-mul, down), weighted, summed.
 
     ``skip_negative_ids``: ``topk_ids`` may hold -1 (a choice another expert-parallel
-    rank computes); no row computes it and it adds zero (its down rows start zeroed)."""
+    rank computes); no row computes it and it adds zero (its down rows start zeroed).
+    ``out_dtype``: the dtype the float32 sum over the top-k is returned in (None: the
+    hidden states'; float32: an expert-parallel rank's part, rounded once after combine)."""
     num_tokens, hidden_size = hidden.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -95,7 +98,7 @@ def fused_moe(
             f"hidden {hidden_size}"
         )
     if num_tokens == 0:
-        return torch.zeros_like(hidden)
+        return torch.zeros(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
     block_m, block_n, block_k = block_sizes or _block_sizes(num_tokens * top_k, num_experts)
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, num_experts, block_m)
     layout = (sorted_ids, expert_ids, num_post_padded, (block_m, block_n, block_k))
@@ -106,9 +109,8 @@ def fused_moe(
     down = new_down(num_entries, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.float().flatten().contiguous()
     _grouped_gemm(silu_and_mul(gate_up), w2, down, weights, 1, *layout)
-    return (
-        down.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
-    )
+    total = down.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32)
+    return total.to(out_dtype or hidden.dtype)
 
 
 def _grouped_gemm(a, b, c, weights, entries_per_a_row, sorted_ids, expert_ids, num_post, blocks):

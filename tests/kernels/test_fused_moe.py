@@ -91,3 +91,12 @@ def test_skipped_choices_add_nothing(dtype):
     out = fused_moe(x, w13, w2, weights, ids, block_sizes=blocks, skip_negative_ids=True)
     assert_close(out, want, dtype)
     assert (out[4] == 0).all()
+    # An expert-parallel rank's part: the float32 sum, not rounded to the hidden dtype.
+    part = fused_moe(
+        x, w13, w2, weights, ids, block_sizes=blocks, skip_negative_ids=True,
+        out_dtype=torch.float32,
+    )  # fmt: skip
+    assert part.dtype == torch.float32 and torch.equal(part.to(dtype), out)
+    ref_part = fused_moe_ref(x, w13, w2, weights, ids, out_dtype=torch.float32)
+    assert ref_part.dtype == torch.float32
+    assert_close(ref_part, want.float(), dtype)

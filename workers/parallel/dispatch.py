@@ -5,8 +5,9 @@ rank ``d`` holds experts ``d * E/N .. (d + 1) * E/N - 1``). Dispatch sends every
 token once to each rank that holds one of its choices, as one packed row: the
 hidden state, the top-k ids in the receiver's numbering with the choices it does
 not hold set to -1, and the top-k weights. The receiver runs its experts on what
-it got (``fused_moe`` skips -1) and combine sends each row's weighted sum back,
-where the source adds the ranks' parts in float32, rank by rank.
+it got (``fused_moe`` skips -1) and combine sends each row's weighted sum back in
+``PART_DTYPE``, where the source adds the ranks' parts in float32, rank by rank, and
+rounds once to the hidden dtype.
 
 Two modes, one per step (``lockstep.py`` says which; every rank runs the same):
 
@@ -36,6 +37,12 @@ import torch.distributed as dist
 
 from splitserve.kernels import ops
 from splitserve.kernels.ep_rows import RowLayout, choices_for, destinations
+
+# The dtype a rank's partial sums travel back in. float32: the source adds the ranks'
+# parts and rounds once, so the layer's output is one GPU's up to float32 rounding (in
+# bf16 a second rounding would flip a router's near-ties downstream); bfloat16 would
+# halve combine's bytes.
+PART_DTYPE = torch.float32
 
 
 class DispatchMode(enum.Enum):
@@ -82,6 +89,7 @@ class Dispatcher:
     def __init__(self, data_group: Any, rank: int, size: int, experts_per_rank: int):
         self.group, self.rank, self.size = data_group, rank, size
         self.experts_per_rank = experts_per_rank
+        self.part_dtype = PART_DTYPE  # what the local experts' sums are handed to combine in
 
     def dispatch(
         self,
@@ -99,10 +107,12 @@ class Dispatcher:
         return self._dispatch_variable(hidden, topk_weights, topk_ids, layout, step)
 
     def combine(self, out: torch.Tensor, received: Received) -> torch.Tensor:
-        """Each source token's sum over the ranks' parts, in the source's row order."""
+        """Each source token's sum over the ranks' parts (``out``: this rank's experts on
+        what it received), in the source's row order and hidden dtype."""
+        dtype = received.hidden.dtype
         if isinstance(received.route, DecodeRoute):
-            return self._combine_fixed(out, received.route)
-        return self._combine_variable(out, received.route)
+            return self._combine_fixed(out, received.route, dtype)
+        return self._combine_variable(out, received.route, dtype)
 
     def _all_to_all(self, out, inp, out_splits=None, in_splits=None) -> None:
         out_splits = [] if out_splits is None else out_splits
@@ -127,11 +137,11 @@ class Dispatcher:
         route = PrefillRoute(token, send_splits, recv_splits, hidden.shape[0])
         return Received(*layout.unpack(got), route)
 
-    def _combine_variable(self, out: torch.Tensor, route: PrefillRoute) -> torch.Tensor:
+    def _combine_variable(self, out: torch.Tensor, route: PrefillRoute, dtype) -> torch.Tensor:
         back = out.new_empty(sum(route.send_splits), out.shape[-1])
         self._all_to_all(back, out.contiguous(), route.send_splits, route.recv_splits)
         total = torch.zeros(route.num_tokens, out.shape[-1], dtype=torch.float32, device=out.device)
-        return total.index_add_(0, route.token, back.float()).to(out.dtype)
+        return total.index_add_(0, route.token, back.float()).to(dtype)
 
     # -- decode mode: fixed capacity ------------------------------------------------
 
@@ -148,7 +158,7 @@ class Dispatcher:
         self._all_to_all(got, buffer)
         return Received(*layout.unpack(got), DecodeRoute(row))
 
-    def _combine_fixed(self, out: torch.Tensor, route: DecodeRoute) -> torch.Tensor:
+    def _combine_fixed(self, out: torch.Tensor, route: DecodeRoute, dtype) -> torch.Tensor:
         back = torch.empty_like(out)
         self._all_to_all(back, out.contiguous())
-        return ops.ep_sum_rows(back, route.row)
+        return ops.ep_sum_rows(back, route.row, dtype)

@@ -163,14 +163,11 @@ class Experts(nn.Module):
         dispatch = plan.moe_dispatch if plan is not None else None
         here = self.dispatcher.dispatch(x, topk_weights, topk_ids, dispatch)
         self.count_tokens(here.topk_ids)
+        w13, w2, part = self.w13_weight, self.w2_weight, self.dispatcher.part_dtype
         out = fused_moe(
-            here.hidden,
-            self.w13_weight,
-            self.w2_weight,
-            here.topk_weights,
-            here.topk_ids,
-            skip_negative_ids=True,
-        )
+            here.hidden, w13, w2, here.topk_weights, here.topk_ids,
+            skip_negative_ids=True, out_dtype=part,
+        )  # fmt: skip
         return self.dispatcher.combine(out, here)
 
     def count_tokens(self, local_ids: torch.Tensor) -> None:
