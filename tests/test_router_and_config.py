@@ -129,7 +129,9 @@ def test_ingress_config_is_checked_and_builds_its_deployment():
 
 def test_metrics_sum_every_ingress_replica():
     from splitserve.cluster.metrics import INGRESS, ServingMetrics
+    from splitserve.workers.engine.messages import WorkerStats
 
+    blocks = {"num_free_blocks": 1, "num_blocks": 2, "kv_usage": 0.5}
     mine, other = ServingMetrics(), ServingMetrics()
     mine.requests.labels("disaggregated", "ok").inc(2)
     other.requests.labels("disaggregated", "ok").inc(3)
@@ -137,24 +139,7 @@ def test_metrics_sum_every_ingress_replica():
     snapshot = {
         "ingress-b": (INGRESS, {"samples": other.samples()}),
         "ingress-a": (INGRESS, {"samples": []}),  # this replica's stale post: not counted
-        "w1": (
-            "decode",
-            {
-                "num_running": 4,
-                "num_free_blocks": 1,
-                "num_blocks": 2,
-                "kv_usage": 0.5,
-                "pid": 7,
-                "engine_pid": 8,
-                "num_waiting": 0,
-                "num_waiting_for_kv": 0,
-                "num_sending_kv": 0,
-                "queued_prompt_tokens": 0,
-                "kv_transfers": 0,
-                "kv_transfer_bytes": 0,
-                "kv_transfer_seconds": 0.0,
-            },
-        ),
+        "w1": ("decode", WorkerStats("decode", 8, pid=7, num_running=4, **blocks).as_dict()),
     }
     text = mine.render(snapshot, "ingress-a").decode()
     assert 'splitserve_requests_total{outcome="ok",route="disaggregated"} 5.0' in text

@@ -289,6 +289,7 @@ def _event_of(output: RequestOutput) -> Event:
 
 def collect_stats(engine: LLMEngine, num_steps: int) -> WorkerStats:
     sched, bm, transport = engine.scheduler, engine.block_manager, engine.kv_transport
+    spec = engine.spec_stats
     statuses = [r.status for r in sched.requests.values()]
     queued = sum(
         r.num_tokens - r.num_computed_tokens
@@ -311,6 +312,9 @@ def collect_stats(engine: LLMEngine, num_steps: int) -> WorkerStats:
         kv_transfer_bytes=transport.bytes_sent if transport else 0,
         kv_transfer_seconds=transport.seconds_sending if transport else 0.0,
         num_steps=num_steps,
+        spec_num_draft_tokens=spec.num_draft_tokens,
+        spec_num_accepted_tokens=spec.num_accepted_tokens,
+        spec_acceptance_lengths=list(spec.acceptance_lengths),
     )
 
 
