@@ -113,7 +113,7 @@ def test_expert_parallel_size_must_fit_the_model_and_the_host(tmp_path):
     with pytest.raises(ValueError, match="has no routed experts"):
         check_expert_parallel(2, load_hf_config("qwen3-tiny")[0], torch.device("cpu"))
     count = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=f"this host has {count} GPU"):
+    with pytest.raises(ValueError, match=f"this process sees {count} GPU"):
         check_expert_parallel(count + 2 - count % 2, moe, torch.device("cuda"))
     for spelling in ({"expert_parallel_size": 3}, {"parallel": {"expert_parallel_size": 3}}):
         with pytest.raises(ValueError, match="does not divide"):  # before any rank starts

@@ -144,7 +144,8 @@ def check_expert_parallel(size: int, hf_config: Any, device: torch.device) -> No
         if first + size > count:
             raise ValueError(
                 f"parallel.expert_parallel_size={size} needs GPUs {first}..{first + size - 1}, "
-                f"but this host has {count} GPU(s)"
+                f"but this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES; a serving "
+                "replica sees the GPUs it was given)"
             )
 
 
