@@ -33,6 +33,7 @@ from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch, to_device
+from splitserve.workers.runner.step_plan import plan_forward
 
 
 class MTPProposer:
@@ -75,6 +76,8 @@ class MTPProposer:
         device)."""
         device = hidden.device
         ids = to_device(next_token_ids, device)
+        if fb.plan is None:  # the target's step replayed a graph: plan the batch for this pass
+            plan_forward(fb)
         mtp_hidden = self.model.mtp_forward(ids, fb.positions, hidden, fb)
         if not draft_rows:
             return []
