@@ -189,13 +189,41 @@ def test_missing_layers_fail_the_transfer(pair):
 
 
 def test_timeout_when_the_sender_never_comes():
-    receiver = CpuKVTransport(_cache(4), timeout_s=0.2)
+    receiver = CpuKVTransport(_cache(4), timeout_s=0.2, start_timeout_s=0.4)
     try:
         receiver.expect(receiver.make_ticket("r1", [1, 2], 0, 8, NUM_LAYERS))
+        assert _wait(receiver, timeout=0.3) == []  # past timeout_s: still waiting to start
         (event,) = _wait(receiver, timeout=3.0)
-        assert not event.ok and "timed out" in event.error
+        assert not event.ok and "no KV transfer started within" in event.error
         assert receiver.num_in_flight == 0
     finally:
+        receiver.close()
+
+
+def test_the_receivers_deadline_starts_with_the_sender():
+    """A prefill queued past ``timeout_s`` still hands off: the decode side's deadline
+    runs from the sender's first frame; once started, a transfer has ``timeout_s``."""
+    sender = CpuKVTransport(_cache(16), timeout_s=0.5)
+    receiver = CpuKVTransport(_cache(4), timeout_s=0.5, start_timeout_s=30.0)
+    try:
+        ticket = receiver.make_ticket("queued", [1, 2], 0, 8, NUM_LAYERS)
+        receiver.expect(ticket)
+        time.sleep(0.8)  # the prefill waited in its queue
+        assert receiver.poll() == []
+        sender.start_send(ticket, [3])
+        for layer in range(NUM_LAYERS):
+            sender.send_layer("queued", layer)
+        sender.finish_send("queued", TransferDone("queued", 7, None, []))
+        events = _wait(receiver) + _wait(sender)
+        assert [(e.side, e.ok) for e in events] == [("recv", True), ("send", True)]
+        started = receiver.make_ticket("stuck", [3, 4], 0, 8, NUM_LAYERS)
+        receiver.expect(started)
+        sender.start_send(started, [5])
+        sender.send_layer("stuck", 0)  # started, then the sender goes quiet
+        (event,) = _wait(receiver, timeout=3.0)
+        assert not event.ok and "timed out after" in event.error
+    finally:
+        sender.close()
         receiver.close()
 
 

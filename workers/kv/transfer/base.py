@@ -94,7 +94,8 @@ class KVTransport(Protocol):
         ...
 
     def expect(self, ticket: TransferTicket) -> None:
-        """Wait for the ticket's transfer (EXPECTING); its deadline starts now."""
+        """Wait for the ticket's transfer (EXPECTING): up to ``start_timeout_s`` for its
+        first frame, then ``timeout_s`` from that frame (``transfers.py``)."""
         ...
 
     # ---- sender half --------------------------------------------------------

@@ -17,7 +17,12 @@ from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.kv.transfer.control import Peer, cache_listener, unknown_frame
 from splitserve.workers.kv.transfer.framing import Connection
 from splitserve.workers.kv.transfer.ticket import TransferTicket
-from splitserve.workers.kv.transfer.transfers import Incoming, Outgoing, Transfers
+from splitserve.workers.kv.transfer.transfers import (
+    START_TIMEOUT_S,
+    Incoming,
+    Outgoing,
+    Transfers,
+)
 from splitserve.workers.kv.transfer.transport import Transport
 
 
@@ -101,9 +106,11 @@ class CpuKVTransport(Transport):
         timeout_s: float = 60.0,
         owner: str = "",
         auth_key: str | bytes | None = None,
+        start_timeout_s: float = START_TIMEOUT_S,
     ):
-        """``auth_key``: the control plane's key (``auth.py``; None: this process's)."""
-        transfers = Transfers(timeout_s)
+        """``auth_key``: the control plane's key (``auth.py``; None: this process's);
+        ``start_timeout_s``: how long an expected transfer may take to start."""
+        transfers = Transfers(timeout_s, start_timeout_s)
         frames = LayerFrames(kv_cache, transfers)
         listener = cache_listener(host, kv_cache, auth_key)
         super().__init__(kv_cache, transfers, listener, frames, frames, owner)

@@ -36,7 +36,6 @@ import torch
 from cupy.cuda import nccl
 
 from splitserve.kernels.kv_gather_cuda import KVCopyLaunch
-from splitserve.workers.kv.transfer.base import TransferState
 from splitserve.workers.kv.transfer.control import unknown_frame
 from splitserve.workers.kv.transfer.copier import RING, Copier, TorchCopy, ring_size
 from splitserve.workers.kv.transfer.event_pool import EventPool, record, wait
@@ -207,8 +206,7 @@ class NcclRecvPath:
         if error is not None:
             self.transfers.fail(rid, "recv", error)
             return None
-        inc.conn, inc.state = conn, TransferState.RECEIVING
-        return inc
+        return self.transfers.receiving(rid, conn)  # RECEIVING, its deadline re-armed
 
     def _recv_ring(self, pair: Pair, nbytes: int) -> torch.Tensor:
         """The pair's receive staging ring, of at least ``nbytes``; caller holds its lock.

@@ -9,8 +9,10 @@
                                   and an ok "ack"; else the transfer fails and
                                   the ack carries the error
 
-The sender's cancel, or the end of its connection, fails the transfer.
-Deadlines and cancels on this side are the transport's (``transport.py``).
+The sender's cancel, or the end of its connection, fails the transfer. Its
+deadline waits for the first frame (``start_timeout_s``: the prefill may queue),
+then runs ``timeout_s`` from there (``transfers.py``); deadlines and cancels on
+this side are the transport's (``transport.py``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class Receiver:
         slots = token_slots(t.block_ids, t.block_size, t.start_token, t.num_tokens)
         # Not blocking: the engine may have a step queued (async scheduling).
         slots = slots.to(self.kv_cache.k[0].device, non_blocking=True)
-        incoming = Incoming(ticket, slots, self.transfers.deadline())
+        incoming = Incoming(ticket, slots, self.transfers.start_deadline())
         self.path.expect(incoming)
         with self.transfers.lock:
             self.transfers.incoming[ticket.request_id] = incoming

@@ -1,6 +1,12 @@
 """The bookkeeping every part of a transport shares: the transfers in flight on each
 side, their deadlines, and the events waiting for ``poll()``.
 
+Deadlines: a sender's transfer has ``timeout_s`` from ``start_send`` (the step
+that finishes its prompt). A receiver's waits up to ``start_timeout_s`` for the
+sender's first frame (its announce or first layer): the prefill may queue behind
+others for long, and a prefill that fails reaches the decode worker through the
+ingress anyway. The first frame re-arms it to ``timeout_s``.
+
 One re-entrant lock guards both tables and the events. A transfer leaves its
 table once (it arrived, was acked, failed or was cancelled), through ``end``,
 which calls its ``release`` under that lock: the data path sets ``release`` when
@@ -26,6 +32,8 @@ from splitserve.workers.kv.transfer.ticket import TransferTicket
 from splitserve.workers.kv.transfer.tracing import Tracer
 
 logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 600.0  # how long a receiver waits for its transfer to start
 
 
 @dataclass(eq=False)
@@ -61,8 +69,9 @@ class Transfers:
     """Transfers in flight (``outgoing`` and ``incoming``, by request id) and the events
     that ended ones left for ``poll()``."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, start_timeout_s: float = START_TIMEOUT_S):
         self.timeout_s = timeout_s
+        self.start_timeout_s = max(start_timeout_s, timeout_s)
         self.lock = threading.RLock()
         self.outgoing: dict[str, Outgoing] = {}
         self.incoming: dict[str, Incoming] = {}
@@ -73,6 +82,10 @@ class Transfers:
     def deadline(self) -> float:
         """The deadline of a transfer that starts now."""
         return time.monotonic() + self.timeout_s
+
+    def start_deadline(self) -> float:
+        """The deadline of a receive expected now: for its first frame to come."""
+        return time.monotonic() + self.start_timeout_s
 
     def end(self, request_id: str, side: str) -> Outgoing | Incoming | None:
         """Take the transfer off its side's table ("send" or "recv") and release it;
@@ -96,6 +109,8 @@ class Transfers:
         """The expected transfer ``request_id``, now RECEIVING from ``conn``; None when
         nobody expects it. Caller holds the lock."""
         incoming = self.incoming.get(request_id)
+        if incoming is not None and incoming.state == TransferState.EXPECTING:
+            incoming.deadline = self.deadline()  # the sender started: timeout_s from now
         if incoming is not None:
             incoming.conn, incoming.state = conn, TransferState.RECEIVING
         return incoming
@@ -104,11 +119,15 @@ class Transfers:
         """Fail the transfers past their deadline; their request ids. Caller holds the lock."""
         now = time.monotonic()
         tables = list(self.outgoing.items()) + list(self.incoming.items())
-        expired = [rid for rid, t in tables if t.deadline < now]
-        for rid in expired:
+        expired = [(rid, t) for rid, t in tables if t.deadline < now]
+        for rid, t in expired:
             side = "send" if rid in self.outgoing else "recv"
-            self.fail(rid, side, f"KV transfer timed out after {self.timeout_s:.0f} s")
-        return expired
+            if t.state == TransferState.EXPECTING:
+                error = f"no KV transfer started within {self.start_timeout_s:.0f} s"
+            else:
+                error = f"KV transfer timed out after {self.timeout_s:.0f} s"
+            self.fail(rid, side, error)
+        return [rid for rid, _ in expired]
 
     def add_event(self, event: TransferEvent) -> None:
         """Queue an event for poll(); caller holds the lock."""
