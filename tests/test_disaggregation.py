@@ -290,3 +290,49 @@ def test_reservations_wait_for_free_blocks(checkpoint):
         assert [o.request_id for o in decode.step() if o.kv_ticket] == ["w2"]
     finally:
         decode.close()
+
+
+def test_a_hung_decode_worker_holds_up_only_the_requests_bound_to_it(pair, monkeypatch):
+    """The prefill side connects to a decode worker off its loop: a receiver that takes
+    the TCP connection and then says nothing (a stopped process) keeps only its own
+    request waiting, which then fails alone; another request is handed off meanwhile."""
+    import dataclasses
+    import socket
+
+    from splitserve.workers.kv.transfer import auth
+
+    monkeypatch.setattr(auth, "HANDSHAKE_TIMEOUT_S", 1.5)
+    prefill, decode = pair
+    hung = socket.create_server(("127.0.0.1", 0))  # accepts, never challenges
+    free = prefill.block_manager.num_free_blocks
+    try:
+        prompt_a, prompt_b = _prompts(2, length=20, seed=21)
+        decode.add_remote_request("a", prompt_a, GREEDY)
+        decode.add_remote_request("b", prompt_b, GREEDY)
+        tickets = {out.request_id: out.kv_ticket for out in decode.step()}
+        ticket = TransferTicket.unpack(tickets["a"])
+        lost = dataclasses.replace(ticket, address=f"127.0.0.1:{hung.getsockname()[1]}")
+        prefill.add_request("a", prompt_a, GREEDY, kv_ticket=lost)
+        prefill.add_request("b", prompt_b, GREEDY, kv_ticket=tickets["b"])
+        outs, tokens, longest_step = {}, [], 0.0
+        deadline = time.monotonic() + 20
+        while (prefill.has_unfinished_requests() or decode.has_unfinished_requests()) and (
+            time.monotonic() < deadline
+        ):
+            t0 = time.perf_counter()
+            for out in prefill.step():
+                outs[out.request_id] = out
+            longest_step = max(longest_step, time.perf_counter() - t0)
+            tokens += [
+                t for out in decode.step() if out.request_id == "b" for t in out.new_token_ids
+            ]
+            if "a" in outs and decode.scheduler.get_request("a") is not None:
+                decode.abort_request("a")  # the ingress does this when the prefill fails
+            time.sleep(0.001)
+        assert outs["a"].finished and "could not reach the decode worker" in outs["a"].error
+        assert outs["b"].finished and outs["b"].error is None
+        assert len(tokens) == GREEDY.max_tokens
+        assert longest_step < 1.0, f"a step took {longest_step:.2f} s"
+        assert prefill.block_manager.num_free_blocks == free
+    finally:
+        hung.close()

@@ -222,7 +222,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 "a prefill worker serves only requests with a KV ticket from a decode worker"
             )
-        self._queue(request, text, self.scheduler.add_request)
+        add = self.handoff.scheduler.admit if kv_ticket is not None else self.scheduler.add_request
+        self._queue(request, text, add)
         return request
 
     def add_remote_request(
@@ -260,6 +261,7 @@ class LLMEngine:
             self.scheduler.has_unfinished_requests()
             or self._in_flight is not None
             or (self.ep_front is not None and self.ep_front.has_unfinished())
+            or (self.handoff is not None and self.handoff.scheduler.num_connecting > 0)
         )
 
     def has_runnable_requests(self) -> bool:

@@ -7,9 +7,13 @@ stays alive after a prompt is done.
   until blocks are free; ``issue_tickets`` reserves them and expects the
   transfer; ``poll`` reports ``KVArrived`` (the KV and first token are in the
   blocks: the request decodes from here) or ``HandoffFailed``.
-- prefill side: ``check_ticket`` admits a request with a decode worker's
-  ticket; once its prompt is computed it is held (``SENDING_KV``, blocks kept)
-  until ``poll`` reports ``SendAcked`` (free them) or ``HandoffFailed``.
+- prefill side: ``check_ticket`` checks a decode worker's ticket; ``admit``
+  queues the request once the transport is connected to that decode worker (the
+  connection, NCCL's rendezvous included, is made on a transport thread: a slow or
+  hung decode worker never holds up the loop; until then the request waits here,
+  outside the scheduler, and a failed connection fails only the requests bound to
+  that worker). Once its prompt is computed it is held (``SENDING_KV``, blocks
+  kept) until ``poll`` reports ``SendAcked`` (free them) or ``HandoffFailed``.
 
 **Worker half** (``HandoffWorker``): ``start_sends`` opens the transfers of the
 prompts a step finishes and gives the hook the model calls as each layer's KV
@@ -35,9 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.errors import InvalidRequestError
-from splitserve.scheduler.request import Request
+from splitserve.scheduler.request import Request, RequestStatus
 from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput, will_sample
-from splitserve.workers.kv.transfer.base import KVTransport
+from splitserve.workers.kv.transfer.base import CONNECTING, KVTransport
 from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket
 from splitserve.workers.sampling.sampler import TokenLogprobs
 
@@ -77,6 +81,7 @@ class HandoffScheduler:
         self.scheduler = scheduler
         self.drafts = drafts
         self.num_layers = num_layers + drafts  # layers a ticket of this worker asks for
+        self._connecting: dict[str, Request] = {}  # prefill side: waiting for their receiver
 
     def check_ticket(self, ticket: TransferTicket | bytes, request: Request) -> TransferTicket:
         """Prefill side: the ticket, unpacked; InvalidRequestError naming every mismatch."""
@@ -108,6 +113,20 @@ class HandoffScheduler:
             raise InvalidRequestError("invalid KV ticket: " + "; ".join(problems))
         return ticket
 
+    def admit(self, request: Request) -> None:
+        """Prefill side: queue a request with a checked ticket, once the transport is
+        connected to its decode worker (until then it waits here)."""
+        self.scheduler.add_request(request)  # checked as any request is
+        if self.transport.connect(request.kv_ticket) is None:
+            return
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)  # not yet
+        self._connecting[request.request_id] = request
+
+    @property
+    def num_connecting(self) -> int:
+        """Requests waiting for their decode worker's connection."""
+        return len(self._connecting)
+
     def issue_tickets(self) -> list[tuple[Request, TransferTicket]]:
         """Decode side: reserve blocks for waiting remote requests and expect their KV."""
         issued = []
@@ -131,8 +150,10 @@ class HandoffScheduler:
                 self.scheduler.hold_for_transfer(request)
 
     def poll(self) -> list[HandoffEvent]:
-        """Finished transfers; decode-side arrivals are already running in the scheduler."""
-        events = []
+        """Finished transfers; decode-side arrivals are already running in the scheduler.
+        Prefill side: requests whose decode worker is now connected are queued, and those
+        whose connection failed fail."""
+        events = self._connected() if self._connecting else []
         for event in self.transport.poll():
             request = self.scheduler.get_request(event.request_id)
             if request is None:
@@ -148,8 +169,24 @@ class HandoffScheduler:
 
     def cancel(self, request_id: str) -> None:
         """Before the request's blocks can be reused: end its transfer on both sides."""
-        request = self.scheduler.get_request(request_id)
+        request = self.scheduler.get_request(request_id) or self._connecting.pop(request_id, None)
         self.transport.cancel(request_id, request.kv_ticket if request else None)
+
+    def _connected(self) -> list[HandoffEvent]:
+        states: dict[str, str | None] = {}  # receiver address -> its connection's state
+        failed = []
+        for rid, request in list(self._connecting.items()):
+            ticket = request.kv_ticket
+            if ticket.address not in states:
+                states[ticket.address] = self.transport.connect(ticket)
+            state = states[ticket.address]
+            if state == CONNECTING:
+                continue
+            del self._connecting[rid]
+            self.scheduler.add_request(request)  # failed: in the scheduler to end there
+            if state is not None:
+                failed.append(HandoffFailed(request, f"could not reach the decode worker: {state}"))
+        return failed
 
 
 @dataclass
@@ -175,7 +212,7 @@ class HandoffWorker:
             try:
                 self.transport.start_send(request.kv_ticket, request.block_ids)
                 sends.request_ids.append(request.request_id)
-            except (OSError, ValueError) as e:
+            except Exception as e:  # this request's decode worker: it alone fails
                 sends.errors[request.request_id] = f"could not reach the decode worker: {e}"
         if sends.request_ids:
             sends.on_layer_stored = self._layer_sender(sends.request_ids)

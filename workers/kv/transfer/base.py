@@ -47,6 +47,8 @@ from splitserve.workers.kv.layout import KVLayout
 from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket
 from splitserve.workers.kv.transfer.tracing import Tracer
 
+CONNECTING = "connecting"  # ``connect``: a thread is connecting to the receiver
+
 
 class TransferState(enum.Enum):
     EXPECTING = "expecting"  # receiver: blocks reserved, nothing arrived yet
@@ -99,6 +101,12 @@ class KVTransport(Protocol):
         ...
 
     # ---- sender half --------------------------------------------------------
+
+    def connect(self, ticket: TransferTicket) -> str | None:
+        """Connect to the ticket's receiver on a thread of the transport (TCP, its
+        challenge, NCCL's rendezvous); never blocks. None: connected; ``CONNECTING``:
+        under way (``notify`` fires when it ends); else why it failed (once)."""
+        ...
 
     def start_send(self, ticket: TransferTicket, src_block_ids: list[int]) -> None:
         """Open the transfer into the ticket's blocks (SENDING); raise ``ValueError`` on a

@@ -11,18 +11,25 @@
 
 A lost connection fails every transfer on it. Deadlines and cancels are the
 transport's (``transport.py``); the receiver's half is ``receiver.py``.
+
+Connecting to a receiver (TCP, its challenge, the send path's link: the NCCL
+rendezvous and communicators) may take long or hang with the receiver. ``connect``
+does it on a thread of its own, so an engine loop asks and moves on (the engine
+holds a request back until its receiver is connected: ``handoff.py``);
+``start_send`` connects in the caller's thread only if nobody did before.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import threading
 import time
 from dataclasses import asdict
 from typing import Any
 
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.kv.transfer.auth import answer
-from splitserve.workers.kv.transfer.base import TransferEvent, TransferState
+from splitserve.workers.kv.transfer.base import CONNECTING, TransferEvent, TransferState
 from splitserve.workers.kv.transfer.control import Peer
 from splitserve.workers.kv.transfer.data_path import SendPath
 from splitserve.workers.kv.transfer.framing import Connection
@@ -33,6 +40,8 @@ from splitserve.workers.kv.transfer.ticket import (
     transfer_bytes,
 )
 from splitserve.workers.kv.transfer.transfers import Outgoing, Transfers
+
+logger = logging.getLogger(__name__)
 
 
 class Sender:
@@ -50,6 +59,7 @@ class Sender:
         self.bytes_sent = 0
         self.seconds_sending = 0.0
         self._peers: dict[str, Peer] = {}  # by receiver address; under the transfers' lock
+        self._attempts: dict[str, list] = {}  # address -> [error] once connect's thread ended
         self._closed = False
 
     def start_send(self, ticket: TransferTicket, src_block_ids: list[int]) -> None:
@@ -70,6 +80,10 @@ class Sender:
         rid = ticket.request_id
         with self.transfers.lock:
             self.transfers.outgoing[rid] = out
+            if not peer.alive:  # lost before this transfer was on it: fail it as those were
+                error = f"decode worker {peer.address} went away before the transfer started"
+                self.transfers.fail(rid, "send", error)
+                return
         try:
             self.path.open(out)
         except BaseException:
@@ -108,6 +122,37 @@ class Sender:
         except OSError as e:
             self._peer_lost(out.peer, f"the done frame could not be sent: {e}")
 
+    def connect(self, ticket: TransferTicket) -> str | None:
+        """Whether the ticket's receiver is connected: None (yes), ``CONNECTING`` (a
+        thread is connecting; ``notify`` fires when it ends), or why the last attempt
+        failed (said once: the next call tries again). Never blocks."""
+        address = ticket.address
+        with self.transfers.lock:
+            peer = self._peers.get(address)
+            if peer is not None and peer.alive:
+                return None
+            attempt = self._attempts.get(address)
+            if attempt is None:
+                attempt = self._attempts[address] = []
+                args = (ticket, attempt)
+                threading.Thread(target=self._connect, args=args, daemon=True).start()
+                return CONNECTING
+            if not attempt:
+                return CONNECTING
+            del self._attempts[address]
+            return attempt[0]
+
+    def _connect(self, ticket: TransferTicket, attempt: list) -> None:
+        try:
+            self.peer(ticket)
+            error = None
+        except Exception as e:  # unreachable, refused, a failed rendezvous: its requests fail
+            error = f"{type(e).__name__}: {e}"
+        with self.transfers.lock:
+            attempt.append(error)
+            if self.transfers.notify is not None:
+                self.transfers.notify()
+
     def peer(self, ticket: TransferTicket) -> Peer:
         """The connection to the ticket's receiver; made (with the send path's link to it)
         the first time. Raises ``OSError`` when the receiver cannot be reached."""
@@ -132,13 +177,25 @@ class Sender:
     def tell_cancel(
         self, request_id: str, out: Outgoing | None, ticket: TransferTicket | None
     ) -> None:
-        """Tell the receiver of a cancel: on the transfer's connection, or the ticket's."""
+        """Tell the receiver of a cancel: on the transfer's connection, or the ticket's
+        receiver's (connected to on a thread if need be: the caller never waits)."""
+        frame = {"kind": "cancel", "request_id": request_id}
         peer = out.peer if out is not None else None
         if peer is None and ticket is not None:
-            with contextlib.suppress(OSError):
-                peer = self.peer(ticket)
+            with self.transfers.lock:
+                peer = self._peers.get(ticket.address)
+            if peer is None or not peer.alive:
+                args = (ticket, frame)
+                threading.Thread(target=self._connect_and_post, args=args, daemon=True).start()
+                return
         if peer is not None and peer.alive:
-            peer.post({"kind": "cancel", "request_id": request_id})
+            peer.post(frame)
+
+    def _connect_and_post(self, ticket: TransferTicket, frame: dict[str, Any]) -> None:
+        try:
+            self.peer(ticket).post(frame)
+        except Exception as e:  # the receiver is gone: its own deadline ends the transfer
+            logger.info("could not tell %s of a cancel: %s", ticket.address, e)
 
     def transfer_bytes(self, ticket: TransferTicket) -> int:
         return transfer_bytes(self.layout, ticket)

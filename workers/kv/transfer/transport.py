@@ -73,6 +73,9 @@ class Transport:
 
     # ---- sender half --------------------------------------------------------
 
+    def connect(self, ticket: TransferTicket) -> str | None:
+        return self.sender.connect(ticket)
+
     def start_send(self, ticket: TransferTicket, src_block_ids: list[int]) -> None:
         self.sender.start_send(ticket, src_block_ids)
 
