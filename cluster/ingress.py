@@ -189,8 +189,15 @@ class OpenAIIngress:
     ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request, with retry, metrics and cancellation."""
         pools = {name: handle is not None for name, handle in self.pools.items()}
+        backlog = {p: self.workers.least_queued_prompt_tokens(p) for p in ("prefill", "decode")}
         route = routing.choose_route(
-            self.config.router, len(prompt_ids), pools["prefill"], pools["decode"], pools["mixed"]
+            self.config.router,
+            len(prompt_ids),
+            pools["prefill"],
+            pools["decode"],
+            pools["mixed"],
+            prefill_backlog=backlog["prefill"],
+            decode_backlog=backlog["decode"],
         )
         start = last = time.monotonic()
         num_tokens, outcome = 0, "cancelled"

@@ -6,6 +6,10 @@ Per request the router picks a **route**:
   the prompt is short, or when one of the disaggregated pools is missing);
 - ``local_short``: a decode worker computes a short prompt itself; sending it
   to a prefill worker would cost more than it saves;
+- ``local_backlog``: a decode worker computes a long prompt itself because the
+  prefill pool is the bottleneck (conditional disaggregation): the least-loaded
+  prefill worker has ``prefill_backlog_tokens`` prompt tokens queued or more, and
+  the least-loaded decode worker fewer;
 - ``disaggregated``: a prefill worker computes the prompt and hands the KV to a
   decode worker. The decode worker may still keep it local when most of the
   prompt is a hit in its prefix cache (``local_prefix_hit``: the rule is
@@ -23,8 +27,9 @@ from dataclasses import dataclass
 LOCAL_MIXED = "local_mixed"
 LOCAL_SHORT = "local_short"
 LOCAL_PREFIX_HIT = "local_prefix_hit"
+LOCAL_BACKLOG = "local_backlog"
 DISAGGREGATED = "disaggregated"
-ROUTES = (LOCAL_MIXED, LOCAL_SHORT, LOCAL_PREFIX_HIT, DISAGGREGATED)
+ROUTES = (LOCAL_MIXED, LOCAL_SHORT, LOCAL_PREFIX_HIT, LOCAL_BACKLOG, DISAGGREGATED)
 
 
 @dataclass
@@ -35,6 +40,9 @@ class RouterConfig:
     local_prefix_hit_ratio: float = 0.8
     # A decode worker over this KV usage is ranked after every other.
     max_kv_usage: float = 0.95
+    # Past this many prompt tokens queued on every prefill worker, a long prompt is
+    # computed by a decode worker with less queued (``local_backlog``); None: never.
+    prefill_backlog_tokens: int | None = 32768
 
     def check(self) -> None:
         if self.local_prompt_tokens < 0:
@@ -48,6 +56,12 @@ class RouterConfig:
             )
         if not 0.0 < self.max_kv_usage <= 1.0:
             raise ValueError(f"invalid router.max_kv_usage={self.max_kv_usage}: must be in (0, 1]")
+        backlog = self.prefill_backlog_tokens
+        if backlog is not None and (not isinstance(backlog, int) or backlog < 1):
+            raise ValueError(
+                f"invalid router.prefill_backlog_tokens={backlog!r}: must be an integer >= 1 "
+                "or null (never compute a long prompt on a decode worker)"
+            )
 
 
 @dataclass
@@ -79,15 +93,23 @@ def choose_route(
     has_prefill: bool,
     has_decode: bool,
     has_mixed: bool,
+    prefill_backlog: int = 0,
+    decode_backlog: int = 0,
 ) -> str:
-    """The route of a new request, from its length and which pools exist."""
+    """The route of a new request, from its length, which pools exist, and the prompt
+    tokens queued on the least-loaded prefill and decode workers (``*_backlog``)."""
     disaggregated_pools = has_prefill and has_decode
     short = num_prompt_tokens <= config.local_prompt_tokens
     if has_mixed and (short or not disaggregated_pools):
         return LOCAL_MIXED
     if not disaggregated_pools:
         raise ValueError("no worker can serve: deploy a mixed pool, or prefill and decode pools")
-    return LOCAL_SHORT if short else DISAGGREGATED
+    if short:
+        return LOCAL_SHORT
+    threshold = config.prefill_backlog_tokens
+    if threshold is not None and prefill_backlog >= threshold and decode_backlog < prefill_backlog:
+        return LOCAL_BACKLOG
+    return DISAGGREGATED
 
 
 def keeps_prefix_hit_local(num_cached_tokens: int, num_prompt_tokens: int, ratio: float) -> bool:

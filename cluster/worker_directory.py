@@ -59,6 +59,14 @@ class WorkerDirectory:
                 conn.close()
                 self._changed[pool].set()
 
+    def least_queued_prompt_tokens(self, pool: str) -> int:
+        """Prompt tokens queued on the pool's least-loaded live engine (0: none live)."""
+        queued = [
+            (c.stats.queued_prompt_tokens if c.stats else 0) + c.sent_tokens_since_stats
+            for c in self.connections(pool)
+        ]
+        return min(queued, default=0)
+
     def connections(self, pool: str) -> list[EngineConnection]:
         return [c for p, c in self._workers.values() if p == pool and c.alive]
 

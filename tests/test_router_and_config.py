@@ -22,6 +22,25 @@ def test_routes_follow_prompt_length_and_pools():
         routing.choose_route(cfg, 500, True, False, False)
 
 
+def test_a_prefill_backlog_sends_long_prompts_to_a_less_loaded_decode_worker():
+    """Conditional disaggregation: once every prefill worker has the threshold queued, a
+    long prompt is computed where less prompt work waits; short prompts are unchanged."""
+    cfg = RouterConfig(local_prompt_tokens=32, prefill_backlog_tokens=8192)
+
+    def route(n, prefill_backlog, decode_backlog=0, mixed=False):
+        return routing.choose_route(cfg, n, True, True, mixed, prefill_backlog, decode_backlog)
+
+    assert route(2048, 8191) == routing.DISAGGREGATED
+    assert route(2048, 8192) == routing.LOCAL_BACKLOG
+    assert route(2048, 9000, decode_backlog=9000) == routing.DISAGGREGATED  # no better there
+    assert route(16, 9000) == routing.LOCAL_SHORT
+    assert route(16, 9000, mixed=True) == routing.LOCAL_MIXED
+    never = RouterConfig(prefill_backlog_tokens=None)
+    assert routing.choose_route(never, 2048, True, True, False, 10**9) == routing.DISAGGREGATED
+    with pytest.raises(ValueError, match="prefill_backlog_tokens=0: must be an integer >= 1"):
+        RouterConfig(prefill_backlog_tokens=0).check()
+
+
 def test_replica_ranking_uses_live_load():
     cfg = RouterConfig()
     idle = WorkerLoad(queued_prompt_tokens=0, num_free_blocks=10)
