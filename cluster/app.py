@@ -17,6 +17,7 @@ from splitserve.cluster.ingress import OpenAIIngress
 from splitserve.cluster.request_router import PoolRequestRouter
 from splitserve.cluster.serve_config import POOLS, PoolConfig, ServeConfig
 from splitserve.cluster.worker_deployment import EngineWorker
+from splitserve.workers.engine.engine_client import SHUTDOWN_TIMEOUT_S
 
 
 def build_app(config: ServeConfig) -> serve.Application:
@@ -34,6 +35,8 @@ def build_app(config: ServeConfig) -> serve.Application:
                 config.app_name,
                 secret,
                 pool.max_ongoing_requests,
+                pool.watchdog_timeout_s,
+                config.drain_timeout_s,
             )
     return ingress_deployment(config).bind(
         config.to_dict(), secret, pools.get("prefill"), pools.get("decode"), pools.get("mixed")
@@ -47,6 +50,8 @@ def ingress_deployment(config: ServeConfig) -> serve.Deployment:
     options: dict = dict(
         ray_actor_options={"num_cpus": ingress.num_cpus},
         max_ongoing_requests=ingress.max_ongoing_requests,
+        # Ray Serve waits for a leaving replica's HTTP requests, then calls its __del__.
+        graceful_shutdown_timeout_s=config.drain_timeout_s + 5.0,
     )
     if ingress.autoscaling:
         options["autoscaling_config"] = AutoscalingConfig(
@@ -68,8 +73,10 @@ def pool_deployment(name: str, pool: PoolConfig, config: ServeConfig) -> serve.D
         name=name,
         ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": gpus},
         health_check_period_s=2.0,
-        health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0,
+        # A replica too hung to answer is replaced as one whose engine stalled.
+        health_check_timeout_s=pool.watchdog_timeout_s,
+        # Its engine drains first (``EngineWorker.__del__``), then gets its own stop time.
+        graceful_shutdown_timeout_s=config.drain_timeout_s + SHUTDOWN_TIMEOUT_S + 5.0,
         request_router_config=RequestRouterConfig(request_router_class=PoolRequestRouter),
     )
     if pool.autoscaling:

@@ -17,6 +17,10 @@ without the worker that failed; after it, the request ends with an error. A
 client that goes away aborts the request on both workers, so both free its KV
 blocks. Every worker of a pool at its limit: the request waits (up to the pool's
 ``max_queued_requests``), then 503.
+
+Draining (``serve`` shutting down sets a deadline on the stats board; or this
+replica leaving): new requests get 503 with ``Retry-After``, those in flight run
+on until the deadline (``drain_timeout_s``), then end with "shutting down".
 """
 
 import asyncio
@@ -60,6 +64,8 @@ describe(app)  # /openapi.json names the request bodies and errors
 
 MAX_ATTEMPTS = 2  # a worker failure before the first token is retried once
 MAX_BUSY_RETRIES = 16  # workers answering Overloaded (their load reports lagged)
+DRAIN_RETRY_AFTER_S = 5  # Retry-After of the 503s while draining
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @serve.deployment(name="ingress")  # replicas and limits: ``ingress_deployment`` in app.py
@@ -86,6 +92,9 @@ class OpenAIIngress:
         self.created = int(time.time())
         pools = {name: self.config.pools[name] for name, h in self.pools.items() if h is not None}
         self.workers = WorkerDirectory(self.board, secret, pools, self.config.router)
+        self._in_flight = 0  # requests this replica is generating
+        self._drain_deadline: float | None = None  # time.time() by which they must end
+        self._closing = False  # past it: open streams end with SHUTTING_DOWN
         loop = asyncio.get_event_loop()
         self._poster = loop.create_task(self._post_metrics())
         self._watcher = loop.create_task(self.workers.run(self.config.stats_period_s))
@@ -126,7 +135,10 @@ class OpenAIIngress:
         can_serve = live.get("mixed", 0) > 0 or (
             live.get("prefill", 0) > 0 and live.get("decode", 0) > 0
         )
-        body = {"status": "ok" if can_serve else "unavailable", "replicas": live}
+        status = "ok" if can_serve else "unavailable"
+        if self._drain_deadline is not None:
+            status, can_serve = "draining", False
+        body = {"status": status, "replicas": live}
         return JSONResponse(body, status_code=200 if can_serve else 503)
 
     @app.get("/metrics")
@@ -136,14 +148,39 @@ class OpenAIIngress:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def _post_metrics(self) -> None:
-        """This replica's request metrics to the board, for ``/metrics`` on any replica."""
+        """This replica's request metrics to the board, for ``/metrics`` on any replica,
+        and the app's drain deadline from it."""
         while True:
             try:
-                samples = {"samples": self.metrics.samples()}
+                samples = {"samples": self.metrics.samples(), "in_flight": self._in_flight}
                 self.board.post.remote(self.replica_id, INGRESS, samples)
+                deadline = await self.board.drain_deadline.remote()
+                if deadline is not None:
+                    self._drain(deadline)
             except Exception:  # the board restarts with the app; keep serving meanwhile
                 logger.warning("could not post request metrics", exc_info=True)
             await asyncio.sleep(self.config.stats_period_s)
+
+    def _drain(self, deadline: float) -> None:
+        """Admit nothing new; past ``deadline`` end the open streams."""
+        if self._drain_deadline is None:
+            logger.info("draining: %d requests in flight", self._in_flight)
+        self._drain_deadline = min(deadline, self._drain_deadline or deadline)
+        if time.time() >= self._drain_deadline and not self._closing:
+            self._closing = True
+            logger.warning("drain time is over: ending %d requests", self._in_flight)
+            self.workers.fail_open(SHUTTING_DOWN)
+
+    async def __del__(self) -> None:
+        """Ray Serve's graceful shutdown of this replica (it already waited for its HTTP
+        requests): what is still open gets until the drain timeout, then ends."""
+        self._drain(time.time() + self.config.drain_timeout_s)
+        while self._in_flight and not self._closing:
+            await asyncio.sleep(0.1)
+            self._drain(self._drain_deadline)
+        ended = time.monotonic() + 2.0  # the ended streams send their errors
+        while self._in_flight and time.monotonic() < ended:
+            await asyncio.sleep(0.1)
 
     def get_config(self) -> dict:
         """The running config (``splitserve scale`` edits and redeploys it)."""
@@ -152,6 +189,11 @@ class OpenAIIngress:
     # ---- one request --------------------------------------------------------
 
     async def _serve(self, kind: str, request: Request) -> Response:
+        if self._drain_deadline is not None:
+            err = overloaded(f"{SHUTTING_DOWN}; retry on another server or later")
+            self.metrics.rejected.labels(str(err.status)).inc()
+            headers = {"Retry-After": str(DRAIN_RETRY_AFTER_S)}
+            return JSONResponse(error_body(err), status_code=err.status, headers=headers)
         try:
             req, prompt_text, prompt_ids, params = await self._validate(kind, request)
         except OpenAIError as e:
@@ -202,6 +244,7 @@ class OpenAIIngress:
         start = last = time.monotonic()
         num_tokens, outcome = 0, "cancelled"
         routes, failed = [route], set()
+        self._in_flight += 1
         try:
             for attempt in range(MAX_ATTEMPTS):
                 rid = request_id if attempt == 0 else f"{request_id}-retry{attempt}"
@@ -219,6 +262,9 @@ class OpenAIIngress:
                     self.metrics.e2e.labels(routes[-1]).observe(time.monotonic() - start)
                     return
                 except WorkerFailed as e:
+                    if self._closing:
+                        outcome = "error"
+                        raise OpenAIError(503, SHUTTING_DOWN, "server_error") from e
                     if num_tokens or attempt + 1 == MAX_ATTEMPTS:
                         outcome = "error"
                         raise OpenAIError(500, str(e), "server_error") from e
@@ -230,6 +276,7 @@ class OpenAIIngress:
                     outcome = "error"
                     raise
         finally:
+            self._in_flight -= 1
             self.metrics.requests.labels(routes[-1], outcome).inc()
 
     async def _attempt(self, routes, rid, prompt_ids, params, failed: set[str]) -> AsyncIterator:

@@ -2,8 +2,10 @@
 
 ``serve`` starts Ray (or joins ``--address``), deploys the ingress and the
 pools behind the HTTP proxy the config names (``http_front.py``), prints the
-URL, and serves until Ctrl-C or SIGTERM, then deletes the app and shuts down
-what it started. What can be checked before deploying is
+URL, and serves until Ctrl-C or SIGTERM. Then it drains: new requests get 503
+with ``Retry-After``, those in flight get ``drain_timeout_s`` to finish before
+they end with "shutting down" (a second signal cuts the wait short); then it
+deletes the app and shuts down what it started. What can be checked before deploying is
 checked in the driver (``startup_checks.py``; a context longer than the model's
 is lowered to it); a replica that still fails to start ends the command with
 its cause and status 1. With no arguments it serves
@@ -24,10 +26,13 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from importlib import resources
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+
+DRAIN_GRACE_S = 3.0  # after the drain deadline: the ingresses end the rest, errors go out
 
 
 def default_config_path() -> Path:
@@ -144,7 +149,8 @@ def serve_main(args: argparse.Namespace) -> int:
         address = ray.get_runtime_context().gcs_address
         print(f"splitserve: Ray cluster at {address}", flush=True)
         print(f"splitserve: serving {config.model_name} at {url}", flush=True)
-        _wait_for_signal()
+        signals = _wait_for_signal()
+        _drain(config, signals)
     finally:
         print("splitserve: shutting down", flush=True)
         serve.delete(config.app_name)
@@ -185,8 +191,48 @@ def _remove_stats_board(namespace: str) -> None:
         ray.kill(ray.get_actor(BOARD_NAME, namespace=namespace))
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
+def _wait_for_signal() -> list[int]:
+    """Block until SIGINT or SIGTERM; the list of signals received grows after that."""
+    stop, received = threading.Event(), []
+
+    def on_signal(signum, _frame) -> None:
+        received.append(signum)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     stop.wait()
+    return received
+
+
+def _drain(config, signals: list[int]) -> None:
+    """Tell the ingress replicas to admit nothing new (the stats board carries the
+    deadline), then wait until their requests in flight are done, at most
+    ``drain_timeout_s`` (and the moment the ingresses take to end the rest), or until
+    a second signal."""
+    import ray
+
+    from splitserve.cluster.metrics import INGRESS
+    from splitserve.cluster.stats_board import BOARD_NAME
+
+    try:
+        board = ray.get_actor(BOARD_NAME, namespace=config.app_name)
+        deadline = time.time() + config.drain_timeout_s
+        ray.get(board.drain.remote(deadline), timeout=10)
+    except Exception as e:  # no board (nothing was ever served) or it is gone
+        logger.warning("could not start draining: %s", e)
+        return
+    print(
+        f"splitserve: draining (up to {config.drain_timeout_s:g} s for requests in flight)",
+        flush=True,
+    )
+    time.sleep(3 * config.stats_period_s + 0.2)  # every ingress saw it and posted since
+    while len(signals) < 2 and time.time() < deadline + DRAIN_GRACE_S:
+        try:
+            snapshot = ray.get(board.snapshot.remote(), timeout=10)
+        except Exception as e:
+            logger.warning("could not read the stats board while draining: %s", e)
+            return
+        if not sum(s.get("in_flight", 0) for p, s in snapshot.values() if p == INGRESS):
+            return
+        time.sleep(0.2)

@@ -39,6 +39,14 @@ class PoolConfig:
     target_queued_prompt_tokens: int = 8192
     target_running_requests: int = 48
     target_kv_usage: float = 0.8
+    # A hung worker (SIGSTOP, a wedged device): an ingress routes around an engine that
+    # sent no load report, or made no step while holding requests, for stall_timeout_s,
+    # and ends its open streams (those without a token yet are retried elsewhere); it
+    # comes back once its reports resume. After watchdog_timeout_s without progress the
+    # replica's health check fails, so Ray Serve replaces it. A single engine step must
+    # stay well below stall_timeout_s.
+    stall_timeout_s: float = 2.0
+    watchdog_timeout_s: float = 10.0
 
     @property
     def autoscaling(self) -> bool:
@@ -67,6 +75,10 @@ class PoolConfig:
             raise bad("target_running_requests", ">= 1")
         if not 0.0 < self.target_kv_usage <= 1.0:
             raise bad("target_kv_usage", "in (0, 1]")
+        if not self.stall_timeout_s > 0:
+            raise bad("stall_timeout_s", "> 0")
+        if not self.watchdog_timeout_s >= self.stall_timeout_s:
+            raise bad("watchdog_timeout_s", f">= stall_timeout_s={self.stall_timeout_s}")
 
     @property
     def active(self) -> bool:
@@ -167,6 +179,10 @@ class ServeConfig:
     port: int = 8000
     app_name: str = "splitserve"
     stats_period_s: float = 0.25  # how often workers report their load
+    # Shutdown (SIGINT/SIGTERM of ``serve``) and a worker replica leaving (scale-down):
+    # new requests get 503 with Retry-After, those in flight get this long to finish,
+    # then end with a "shutting down" error.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         self.ingress.check()
@@ -187,6 +203,8 @@ class ServeConfig:
             raise ValueError(
                 "no worker can serve: give the mixed pool replicas, or both prefill and decode"
             )
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"invalid drain_timeout_s={self.drain_timeout_s}: must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError(f"invalid port={self.port}: must be in 1..65535")
 

@@ -1,7 +1,8 @@
 """A named Ray actor where every worker posts its load; ``/metrics`` reads it.
 
 Entries not refreshed within ``ttl_s`` are dropped, so a dead replica leaves
-the board (and the metrics) on its own.
+the board (and the metrics) on its own. ``serve`` shutting down sets the drain
+deadline here (``drain``); the ingress replicas read it (``drain_deadline``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ class StatsBoard:
     def __init__(self, ttl_s: float = 5.0):
         self.ttl_s = ttl_s
         self._entries: dict[str, tuple[float, str, dict]] = {}  # worker -> (time, pool, stats)
+        self._drain_deadline: float | None = None  # time.time() when draining ends
+
+    def drain(self, deadline: float) -> None:
+        """The app is shutting down: admit nothing new; in-flight requests end by
+        ``deadline`` (``time.time()``)."""
+        self._drain_deadline = deadline
+
+    def drain_deadline(self) -> float | None:
+        return self._drain_deadline
 
     def post(self, worker_id: str, pool: str, stats: dict) -> None:
         self._entries[worker_id] = (time.monotonic(), pool, stats)

@@ -11,13 +11,19 @@ from it directly. The replica keeps the engine's control side:
   ticket through Ray Serve).
 - its load, posted to the stats board (routing, ``/metrics``) and reported to Ray
   Serve for autoscaling (``record_autoscaling_stats``);
-- ``check_health``: unhealthy once the engine process is gone.
+- ``check_health``: unhealthy once the engine process is gone, or when it made no
+  progress for ``watchdog_timeout_s`` (no stats, or no step while holding requests:
+  a hung process), so Ray Serve replaces the replica.
+- leaving (scale-down, shutdown; Ray Serve calls ``__del__``): the engine drains
+  (fronts stop choosing it, it finishes what it holds) for up to
+  ``drain_timeout_s``, then stops; requests still open end with "shutting down".
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import ray
 from ray import serve
@@ -38,12 +44,18 @@ class EngineWorker:
         namespace: str,
         secret: str,
         max_requests: int,
+        watchdog_timeout_s: float = 10.0,
+        drain_timeout_s: float = 30.0,
     ):
         """``secret``: what an ingress's connection must present; ``max_requests``: open
-        requests beyond this are answered ``Overloaded`` (the pool's max_ongoing_requests)."""
+        requests beyond this are answered ``Overloaded`` (the pool's max_ongoing_requests);
+        ``watchdog_timeout_s``: the engine's progress watchdog; ``drain_timeout_s``: how
+        long a leaving replica lets its engine finish what it holds."""
         from splitserve.cluster.stats_board import get_or_create_board
 
         self.pool = pool
+        self._watchdog_timeout_s = watchdog_timeout_s
+        self._drain_timeout_s = drain_timeout_s
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         config = EngineConfig.from_dict({**engine_config, "role": pool})
         # One node: the KV control plane stays on loopback; several: the node's address
@@ -82,6 +94,9 @@ class EngineWorker:
     def check_health(self) -> None:
         if not self.engine.alive:
             raise RuntimeError(f"the engine stopped: {self.engine.error}")
+        stalled = self.engine.stalled(self._watchdog_timeout_s)
+        if stalled is not None:
+            raise RuntimeError(f"the engine process {self.engine.pid} {stalled}")
 
     async def _report_loop(self) -> None:
         while True:
@@ -91,10 +106,27 @@ class EngineWorker:
                 logger.warning("could not post stats", exc_info=True)
             await asyncio.sleep(self._stats_period_s)
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Ray Serve's graceful shutdown: drain the engine, then stop it."""
         engine = getattr(self, "engine", None)
-        if engine is not None:
-            engine.shutdown()
+        if engine is None:
+            return
+        engine.drain()
+        deadline = time.monotonic() + self._drain_timeout_s
+        while engine.alive and time.monotonic() < deadline and not self._hung():
+            if engine.stats.draining and not engine.holds_requests:
+                break
+            await asyncio.sleep(0.1)
+        if self._hung():  # SIGSTOPped or wedged: it would not stop either
+            logger.warning("the %s worker's engine is hung; killing it", self.pool)
+            await asyncio.to_thread(engine.shutdown, 0.0)
+            return
+        if engine.holds_requests:
+            logger.warning("the %s worker stops with requests still open", self.pool)
+        await asyncio.to_thread(engine.shutdown)
+
+    def _hung(self) -> bool:
+        return self.engine.stalled(self._watchdog_timeout_s) is not None
 
 
 def _nccl_rendezvous(app_name: str):

@@ -8,12 +8,20 @@ ingress sent since. ``acquire`` returns the best engine with room below the
 pool's ``max_ongoing_requests``; when none has room, up to
 ``max_queued_requests`` callers wait for one (a stats push or a finished request
 wakes them), and beyond that it raises ``PoolOverloaded`` (the ingress's 503).
+
+Engines that cannot take a request are skipped at once: a draining one (its
+replica is leaving; it finishes what it holds) and a stalled one (no load report,
+or no step while holding requests, for the pool's ``stall_timeout_s``: a hung
+process). A stalled engine's open streams end with ``Failed``, so requests without
+a token yet are retried on another worker; it is chosen again once its reports
+resume.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 
 from splitserve.cluster.routing import RouterConfig, WorkerLoad, decode_cost, prefill_cost
@@ -23,6 +31,8 @@ from splitserve.workers.engine.engine_connection import EngineConnection
 logger = logging.getLogger(__name__)
 
 NO_WORKER_WAIT_S = 30.0  # how long a call waits for a pool's first worker to appear
+STALL_CHECK_S = 0.25  # how often the engines are checked for stalls
+LOOP_LAG_S = 0.5  # a check this late means the ingress lagged, not the engines
 
 
 class PoolOverloaded(Exception):
@@ -43,6 +53,7 @@ class WorkerDirectory:
         self._opening: set[str] = set()
         self._changed = {pool: asyncio.Event() for pool in pools}
         self._waiting = dict.fromkeys(pools, 0)
+        self._stalled: set[str] = set()  # names of engines found stalled
 
     async def refresh(self) -> None:
         """Connect to workers new on the board; drop those gone from it or disconnected."""
@@ -56,6 +67,7 @@ class WorkerDirectory:
         for worker_id, (pool, conn) in list(self._workers.items()):
             if worker_id not in snapshot or not conn.alive:
                 del self._workers[worker_id]
+                self._stalled.discard(conn.name)
                 conn.close()
                 self._changed[pool].set()
 
@@ -98,15 +110,52 @@ class WorkerDirectory:
                 self._waiting[pool] -= 1
 
     def ranked(self, pool: str) -> list[EngineConnection]:
-        return sorted(self.connections(pool), key=lambda c: self._cost(pool, c))
+        """The pool's engines that may take a request, best first."""
+        usable = [
+            c for c in self.connections(pool) if c.name not in self._stalled and not c.draining
+        ]
+        return sorted(usable, key=lambda c: self._cost(pool, c))
+
+    def check_stalls(self) -> None:
+        """Mark the engines that look hung (and end their streams); unmark resumed ones."""
+        for pool, conn in list(self._workers.values()):
+            reason = conn.stalled(self._pools[pool].stall_timeout_s)
+            if reason is None:
+                if conn.name in self._stalled:
+                    logger.warning("the %s resumed; routing to it again", conn.name)
+                    self._stalled.discard(conn.name)
+                    self._changed[pool].set()
+                continue
+            if conn.name not in self._stalled:
+                logger.warning("the %s %s; routing around it", conn.name, reason)
+                self._stalled.add(conn.name)
+            if conn.num_open:
+                conn.fail_open(f"the {conn.name} stalled ({reason})")
+
+    def fail_open(self, message: str) -> None:
+        """End every open stream on every engine with ``Failed`` (the ingress shuts down)."""
+        for _, conn in self._workers.values():
+            conn.fail_open(message)
 
     async def run(self, period_s: float) -> None:
+        asyncio.ensure_future(self._watch_stalls())
         while True:
             try:
                 await self.refresh()
             except Exception:  # the board restarts with the app; keep serving meanwhile
                 logger.warning("could not read the stats board", exc_info=True)
             await asyncio.sleep(period_s)
+
+    async def _watch_stalls(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(STALL_CHECK_S)
+            now = time.monotonic()
+            # When this event loop itself lagged, the engines' reports may be waiting
+            # in its sockets: judge them on the next round, once they were read.
+            if now - last < STALL_CHECK_S + LOOP_LAG_S:
+                self.check_stalls()
+            last = now
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -129,7 +178,7 @@ class WorkerDirectory:
         await event.wait()
 
     async def _wait_for_a_worker(self, pool: str, exclude: set[str]) -> None:
-        if exclude and self.connections(pool):
+        if exclude and self.ranked(pool):
             raise NoWorker(f"no other {pool} worker is live")
         await self.refresh()
         try:

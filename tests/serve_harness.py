@@ -29,6 +29,7 @@ class Server:
     def __init__(self, port: int):
         self.port = port
         self.ray_address = ""
+        self.proc: subprocess.Popen | None = None  # the ``splitserve serve`` process
 
     def request(self, method: str, path: str, body=None, timeout: float = 60.0):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
@@ -162,6 +163,7 @@ def serving(config: dict, directory: Path, startup_s: float = 180.0) -> Iterator
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
     server = Server(port)
+    server.proc = proc
     try:
         deadline = time.monotonic() + startup_s
         while not any(f"serving {name} at" in line for line in log):

@@ -3,7 +3,8 @@
 The replica's ``EngineClient`` starts it (``python -m splitserve.workers.engine.core_process
 FD``) and keeps one duplex socket of msgpack frames (``messages.py``) to it, for control:
 
-    replica -> engine   Start (once), JoinPair (NCCL, decode side), RendezvousDone, Shutdown
+    replica -> engine   Start (once), JoinPair (NCCL, decode side), RendezvousDone, Drain,
+                        Shutdown
     engine -> replica   Ready or StartFailed (once), WorkerStats (every STATS_PERIOD_S),
                         Rendezvous (NCCL, prefill side), EngineDied (the loop raised)
 
@@ -13,6 +14,11 @@ step sends every front one ``StepEvents`` with its requests' events, and every
 front gets ``WorkerStats`` too. A front may abort only its own requests; when its
 connection closes, its requests are aborted. Beyond ``max_requests`` open requests
 a call is answered ``Overloaded``.
+
+Draining (the replica is leaving): after ``Drain`` the stats say ``draining``, so
+fronts stop choosing this engine, and a call that still comes is answered
+``Overloaded`` (the front tries another worker); what the engine holds runs on.
+At ``Shutdown`` every request still open ends with ``Failed`` ("shutting down").
 
 The main thread runs the engine loop; reader threads turn frames into commands and
 wake it. So the engine never waits on any caller's Python, and no caller's event
@@ -45,6 +51,7 @@ from splitserve.workers.engine.messages import (
     Abort,
     Delta,
     Event,
+    Failed,
     GenerateCall,
     Overloaded,
     Rejected,
@@ -120,6 +127,12 @@ class JoinPair:
 
 @messages.register
 @dataclass(frozen=True)
+class Drain:
+    pass
+
+
+@messages.register
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
@@ -135,6 +148,7 @@ class EngineCore:
         self._rendezvous: dict[int, tuple[threading.Event, list]] = {}
         self._call_ids = itertools.count(1)  # next() is atomic under the GIL
         self._stopped = False
+        self._draining = False
         self._max_requests = start.max_requests
         self._fronts: set[Front] = set()
         self._owners: dict[str, Front] = {}  # request id -> the front that sent it
@@ -164,12 +178,15 @@ class EngineCore:
             if time.monotonic() - stats_time >= STATS_PERIOD_S:
                 self._send_stats()
                 stats_time = time.monotonic()
+        message = f"the {self.engine.role} worker is shutting down"
+        self._send_events([Failed(rid, message) for rid in list(self._owners)])
         self.listener.close()
         self.engine.close()
 
     def stats(self) -> WorkerStats:
         stats = collect_stats(self.engine, self.num_steps)
         stats.address = self.listener.address
+        stats.draining = self._draining
         return stats
 
     # ---- events out --------------------------------------------------------------------
@@ -208,6 +225,9 @@ class EngineCore:
                     done.set()
                 elif isinstance(message, JoinPair):  # returns at once: rank 1 in a thread
                     self.engine.kv_transport.join(message.pair_key, message.unique_id)
+                elif isinstance(message, Drain):
+                    self._draining = True
+                    self._wakeup.set()
                 elif isinstance(message, Shutdown):
                     self._stopped = True
                     self._wakeup.set()
@@ -245,6 +265,8 @@ class EngineCore:
             front.send(StepEvents([Rejected(rid, f"request id {rid!r} is already in use")]))
             return None
         self._owners[rid] = front
+        if self._draining:
+            return Overloaded(rid, f"the {self.engine.role} worker is shutting down")
         if self._max_requests is not None and len(self._owners) > self._max_requests:
             limit = self._max_requests
             return Overloaded(rid, f"the {self.engine.role} worker holds its {limit} requests")

@@ -7,8 +7,11 @@ shutdown. Requests do not pass through here: fronts connect to the engine's
 ``address`` (``EngineConnection``) and stream from it directly.
 
 If the process dies, ``alive`` turns False and ``error`` says why (the
-replica's health check reports it); ``shutdown`` stops the process, and kills
-it if it does not stop in time.
+replica's health check reports it); ``stalled`` says when it looks hung (no stats,
+or no step while it holds requests), the replica's watchdog. ``drain`` makes the
+engine take no new requests and finish what it holds; ``shutdown`` stops the
+process (requests still open end with "shutting down"), and kills it if it does
+not stop in time.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from splitserve.config import EngineConfig
 from splitserve.workers.engine import messages
 from splitserve.workers.engine.core_process import (
+    Drain,
     EngineDied,
     JoinPair,
     Ready,
@@ -36,6 +41,7 @@ from splitserve.workers.engine.core_process import (
     Start,
     StartFailed,
 )
+from splitserve.workers.engine.engine_connection import holds_requests
 from splitserve.workers.engine.messages import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -83,6 +89,7 @@ class EngineClient:
         self._send(start)
         self.stats: WorkerStats = self._wait_ready()
         self.stats.pid = os.getpid()
+        self.stats_at = self.progress_at = time.monotonic()  # as EngineConnection's
         self.address = self.stats.address
         self.error: str | None = None  # why the process is gone
         self._closing = False
@@ -101,12 +108,33 @@ class EngineClient:
         """NCCL, decode side: join a prefill worker's pair as rank 1 (returns at once)."""
         self._send(JoinPair(pair_key, unique_id))
 
-    def shutdown(self) -> None:
+    @property
+    def holds_requests(self) -> bool:
+        return holds_requests(self.stats)
+
+    def stalled(self, timeout_s: float) -> str | None:
+        """Why the engine looks hung (None: it does not): no stats for ``timeout_s``, or
+        no step in ``timeout_s`` while it holds requests."""
+        now = time.monotonic()
+        if now - self.stats_at > timeout_s:
+            return f"sent no stats for {now - self.stats_at:.1f} s"
+        if now - self.progress_at > timeout_s:
+            return f"made no step in {now - self.progress_at:.1f} s while holding requests"
+        return None
+
+    def drain(self) -> None:
+        """Take no new requests (the stats say ``draining``); finish those held."""
+        with contextlib.suppress(OSError):
+            self._send(Drain())
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the process; kill it if it has not stopped within ``timeout_s`` (0 for a
+        hung one)."""
         self._closing = True
         with contextlib.suppress(OSError):
             self._send(Shutdown())
         try:
-            self.process.wait(SHUTDOWN_TIMEOUT_S)
+            self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
             logger.warning("engine process %d did not stop; killing it", self.process.pid)
             self.process.kill()
@@ -139,7 +167,10 @@ class EngineClient:
                 message = messages.decode(self.conn.recv_bytes())
                 if isinstance(message, WorkerStats):
                     message.pid = os.getpid()
-                    self.stats = message
+                    now = time.monotonic()
+                    if message.num_steps != self.stats.num_steps or not holds_requests(message):
+                        self.progress_at = now
+                    self.stats, self.stats_at = message, now
                 elif isinstance(message, Rendezvous):
                     threading.Thread(target=self._answer_rendezvous, args=(message,)).start()
                 elif isinstance(message, EngineDied):

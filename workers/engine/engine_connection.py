@@ -9,7 +9,10 @@ blocks return. The engine also pushes its ``WorkerStats`` here every stats
 period, which the front routes on.
 
 If the connection ends (the engine process or its replica died), every open
-stream ends with ``Failed`` and ``alive`` turns False.
+stream ends with ``Failed`` and ``alive`` turns False. ``stalled`` says when the
+engine looks hung (its stats stopped coming, or its step count stopped moving
+while it holds requests); the front then routes around it and ``fail_open`` ends
+its streams (``cluster/worker_directory.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 
 from splitserve.workers.engine import messages
@@ -43,8 +47,12 @@ class _Stream:
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.ready = asyncio.Event()
+        self.ended = False  # its last event is in: nothing goes after it
 
     def put(self, event: Event) -> None:
+        if self.ended:
+            return
+        self.ended = is_last(event)
         self.events.append(event)
         self.ready.set()
 
@@ -63,6 +71,8 @@ class EngineConnection:
         self.on_update: Callable[[], None] | None = None  # stats came, or a request ended
         self.sent_since_stats = 0  # calls sent since the last stats (routing adds them)
         self.sent_tokens_since_stats = 0  # and their prompt tokens
+        self.stats_at = time.monotonic()  # when stats last came (or the connection opened)
+        self.progress_at = self.stats_at  # when its step count last moved, or it held nothing
         self._reader = reader
         self._writer = writer
         self._streams: dict[str, _Stream] = {}
@@ -87,6 +97,21 @@ class EngineConnection:
     def num_open(self) -> int:
         """This front's requests open on the engine."""
         return len(self._streams)
+
+    @property
+    def draining(self) -> bool:
+        """The engine finishes what it holds and takes nothing new (its replica is going)."""
+        return self.stats is not None and self.stats.draining
+
+    def stalled(self, timeout_s: float) -> str | None:
+        """Why the engine looks hung (None: it does not): no stats for ``timeout_s``, or
+        no step in ``timeout_s`` while it holds requests."""
+        now = time.monotonic()
+        if now - self.stats_at > timeout_s:
+            return f"sent no load report for {now - self.stats_at:.1f} s"
+        if now - self.progress_at > timeout_s:
+            return f"made no step in {now - self.progress_at:.1f} s while holding requests"
+        return None
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[list[Event]]:
         """Send a request; yield its events in order, in lists, until its last."""
@@ -121,6 +146,11 @@ class EngineConnection:
         if stream is not None:
             stream.put(Failed(request_id, message))
 
+    def fail_open(self, message: str) -> None:
+        """End every open stream with ``Failed`` (the engine looks hung); the callers'
+        leaving sends its aborts, which the engine acts on if it wakes."""
+        self._fail_all(message)
+
     def close(self) -> None:
         self.error = self.error or f"the connection to {self.name} was closed"
         self._task.cancel()
@@ -139,7 +169,7 @@ class EngineConnection:
                 if isinstance(message, StepEvents):
                     self._dispatch(message.events)
                 elif isinstance(message, WorkerStats):
-                    self.stats = message
+                    self._on_stats(message)
                     self.sent_since_stats = self.sent_tokens_since_stats = 0
                     if self.on_update is not None:
                         self.on_update()
@@ -152,6 +182,13 @@ class EngineConnection:
         with contextlib.suppress(Exception):
             self._writer.close()
 
+    def _on_stats(self, stats: WorkerStats) -> None:
+        now = time.monotonic()
+        moved = self.stats is None or stats.num_steps != self.stats.num_steps
+        if moved or not holds_requests(stats):
+            self.progress_at = now
+        self.stats, self.stats_at = stats, now
+
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:
             stream = self._streams.get(event.request_id)
@@ -161,3 +198,9 @@ class EngineConnection:
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
             stream.put(Failed(rid, message))
+
+
+def holds_requests(stats: WorkerStats) -> bool:
+    """Whether the engine has requests it must step (its loop steps while it does)."""
+    held = stats.num_running + stats.num_waiting + stats.num_waiting_for_kv
+    return held + stats.num_sending_kv > 0

@@ -211,6 +211,7 @@ class WorkerStats:
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     num_steps: int = 0  # engine steps so far (progress, for a watchdog)
+    draining: bool = False  # the engine finishes what it holds and takes no new requests
     # Speculative decoding (MTP), so far: drafts verified, drafts accepted, and per
     # accepted-run length n the verify steps that accepted n drafts (``SpecDecodeStats``).
     spec_num_draft_tokens: int = 0
