@@ -107,6 +107,12 @@ def test_shipped_configs_load():
         ({"pools": {"prefill": {"max_ongoing_requests": 0}}}, "max_ongoing_requests=0"),
         ({"hosts": "x"}, "unknown config key 'hosts'"),
         ({"engine": {"scheduler": {"async_scheduling": "yes"}}}, "async_scheduling='yes'"),
+        ({"pools": {"decode": {"stall_timeout_s": 0}}}, "pools.decode.stall_timeout_s=0"),
+        (
+            {"pools": {"mixed": {"replicas": 1, "watchdog_timeout_s": 1.0}}},
+            "pools.mixed.watchdog_timeout_s=1.0: must be >= stall_timeout_s=2.0",
+        ),
+        ({"drain_timeout_s": -1}, "invalid drain_timeout_s=-1"),
     ],
 )
 def test_bad_configs_name_the_key(values, message):
