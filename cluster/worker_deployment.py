@@ -117,7 +117,7 @@ class EngineWorker:
             if engine.stats.draining and not engine.holds_requests:
                 break
             await asyncio.sleep(0.1)
-        if self._hung():  # SIGSTOPped or wedged: it would not stop either
+        if engine.alive and self._hung():  # SIGSTOPped or wedged: it would not stop either
             logger.warning("the %s worker's engine is hung; killing it", self.pool)
             await asyncio.to_thread(engine.shutdown, 0.0)
             return
