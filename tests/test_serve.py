@@ -193,12 +193,14 @@ def _open_stream(server: Server, body: dict) -> tuple[socket.socket, bytes]:
 def test_client_disconnect_frees_kv_on_both_workers(server):
     body = _completion("Disconnect. " + LONG_PROMPT * 2, max_tokens=200)  # no prefix hit
     sock, _ = _open_stream(server, body)
-    time.sleep(0.3)
-    busy = server.blocks()
+    busy = server.blocks()  # at once: 200 tokens take well under a second here
     assert busy["decode"][0] < busy["decode"][1]  # the decode worker holds the request's KV
     sock.close()
     server.wait_all_blocks_free()
-    assert server.metrics()['splitserve_requests_total{outcome="cancelled",route="disaggregated"}']
+    requests = {k: v for k, v in server.metrics().items() if "requests_total" in k}
+    assert requests.get('splitserve_requests_total{outcome="cancelled",route="disaggregated"}'), (
+        requests
+    )
 
 
 def _replica_pids(server: Server, process: str = "worker") -> dict[str, int]:
@@ -245,6 +247,40 @@ def test_killed_replica_ends_the_request_cleanly(server, pool, process):
     assert status == 200, resp
     for _ in range(3):
         assert server.post("/v1/completions", _completion(LONG_PROMPT + "again"))[0] == 200
+    server.wait_all_blocks_free(timeout=60)
+
+
+def test_killed_prefill_engine_with_a_queued_request_frees_the_decode_reservation(server):
+    """kill -9 of the prefill engine while a request waits in it (the engine is stopped
+    first, so the request is queued there, unread): the decode worker's reserved blocks
+    return, and the request is retried on the replacement (or told the pool is gone):
+    no hang, and the survivor leaks nothing."""
+    pid = _replica_pids(server, "engine")["prefill"]
+    body = _completion("Queued on a stopped prefill worker. " + LONG_PROMPT * 2, max_tokens=8)
+    results = []
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: results.append(server.post("/v1/completions", body)))
+        t.start()
+        deadline = time.monotonic() + 1.5  # before the ingress finds the engine stalled
+        while server.blocks()["decode"][0] == server.blocks()["decode"][1]:
+            assert time.monotonic() < deadline, "the decode worker reserved no blocks"
+            time.sleep(0.05)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    t.join(timeout=90)
+    assert results, "the request hung"
+    status, resp = results[0]
+    if status == 200:  # retried once a new prefill worker came
+        assert resp["choices"][0]["finish_reason"] == "length"
+    else:
+        assert status == 503 and "prefill" in resp["error"]["message"], resp
+    server.wait_all_blocks_free(pools=("decode",), timeout=30)
+    server.wait_healthy()
+    deadline = time.monotonic() + 120
+    while server.post("/v1/completions", _completion(LONG_PROMPT + "queued"))[0] != 200:
+        assert time.monotonic() < deadline
+        time.sleep(1)
     server.wait_all_blocks_free(timeout=60)
 
 

@@ -62,7 +62,7 @@ async def _directory(engines: list[EngineClient]) -> WorkerDirectory:
     pools = {"mixed": PoolConfig(stall_timeout_s=STALL_S, watchdog_timeout_s=STALL_S)}
     directory = WorkerDirectory(_Board(engines), SECRET, pools, RouterConfig())
     await directory.refresh()
-    while len(directory.ranked("mixed")) < len(engines) or any(
+    while len(directory.connections("mixed")) < len(engines) or any(
         c.stats is None for c in directory.connections("mixed")
     ):
         await asyncio.sleep(0.05)
@@ -168,3 +168,37 @@ def test_shutdown_ends_the_requests_still_open_with_shutting_down():
     assert isinstance(events[-1], Failed), events[-1]
     assert events[-1].message == "the mixed worker is shutting down"
     assert client.process.returncode == 0
+
+
+def test_a_stream_failed_on_the_front_side_is_aborted_on_the_engine(engines):
+    """``fail`` (a hand-off failed elsewhere, a stall) ends the stream here; the engine
+    must drop the request too, not keep it queued (or a decode reservation held)."""
+    client = engines[1]  # the other one drains since the test before
+
+    async def run():
+        directory = await _directory(engines)
+        conn = _by_pid(directory, client.pid)
+        busy = [conn.generate(GenerateCall(f"busy{i}", [9] * 30, LONG)) for i in range(8)]
+        for stream in busy:  # max_num_seqs of them run
+            await stream.__anext__()
+        queued = conn.generate(GenerateCall("queued", [9] * 30, LONG))
+        first = asyncio.ensure_future(queued.__anext__())  # sent; it waits for a slot
+        while client.stats.num_waiting == 0:
+            await asyncio.sleep(0.01)
+        conn.fail("queued", "the prefill worker failed")
+        events = await first
+        await queued.aclose()
+        t0 = time.monotonic()
+        while client.stats.num_waiting:
+            await asyncio.sleep(0.01)
+        dropped_s, running = time.monotonic() - t0, client.stats.num_running
+        for stream in busy:
+            await stream.aclose()
+        for c in directory.connections("mixed"):
+            c.close()
+        return events, dropped_s, running
+
+    events, dropped_s, running = asyncio.run(asyncio.wait_for(run(), 30))
+    assert events == [Failed("queued", "the prefill worker failed")]
+    assert dropped_s < 0.3 and running == 8, (dropped_s, running)  # gone before a slot freed
+    _wait_idle(client)

@@ -48,11 +48,13 @@ class _Stream:
         self.events: list[Event] = []
         self.ready = asyncio.Event()
         self.ended = False  # its last event is in: nothing goes after it
+        self.ended_here = False  # ... put by this side, not the engine's: abort it there
 
-    def put(self, event: Event) -> None:
+    def put(self, event: Event, here: bool = False) -> None:
         if self.ended:
             return
         self.ended = is_last(event)
+        self.ended_here = self.ended and here
         self.events.append(event)
         self.ready.set()
 
@@ -130,7 +132,7 @@ class EngineConnection:
                 yield events
         finally:
             self._streams.pop(rid, None)
-            if not finished:
+            if not finished or stream.ended_here:  # the engine still holds it
                 self.abort(rid)
             if self.on_update is not None:
                 self.on_update()
@@ -141,14 +143,14 @@ class EngineConnection:
 
     def fail(self, request_id: str, message: str) -> None:
         """End a request's stream with ``Failed`` from this side (its hand-off failed
-        elsewhere); the caller's leaving then aborts it on the engine."""
+        elsewhere); the stream's end then aborts it on the engine."""
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.put(Failed(request_id, message))
+            stream.put(Failed(request_id, message), here=True)
 
     def fail_open(self, message: str) -> None:
-        """End every open stream with ``Failed`` (the engine looks hung); the callers'
-        leaving sends its aborts, which the engine acts on if it wakes."""
+        """End every open stream with ``Failed`` (the engine looks hung); each stream's
+        end sends its abort, which the engine acts on if it wakes."""
         self._fail_all(message)
 
     def close(self) -> None:
@@ -197,7 +199,7 @@ class EngineConnection:
 
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
-            stream.put(Failed(rid, message))
+            stream.put(Failed(rid, message), here=True)
 
 
 def holds_requests(stats: WorkerStats) -> bool:
