@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -83,12 +82,14 @@ def test_32_concurrent_streams_complete(server):
 def test_client_disconnect_frees_kv_on_both_workers(server):
     body = _completion("Disconnect async. " + LONG_PROMPT * 2, max_tokens=200)
     sock, _ = _open_stream(server, body)
-    time.sleep(0.3)
-    busy = server.blocks()
+    busy = server.blocks()  # at once: 200 tokens take well under a second here
     assert busy["decode"][0] < busy["decode"][1]  # the decode worker holds the request's KV
     sock.close()
     server.wait_all_blocks_free()
-    assert server.metrics()['splitserve_requests_total{outcome="cancelled",route="disaggregated"}']
+    requests = {k: v for k, v in server.metrics().items() if "requests_total" in k}
+    assert requests.get('splitserve_requests_total{outcome="cancelled",route="disaggregated"}'), (
+        requests
+    )
 
 
 def test_the_ingress_runs_the_configured_replicas(server):
