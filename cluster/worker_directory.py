@@ -56,7 +56,10 @@ class WorkerDirectory:
         self._stalled: set[str] = set()  # names of engines found stalled
 
     async def refresh(self) -> None:
-        """Connect to workers new on the board; drop those gone from it or disconnected."""
+        """Connect to workers new on the board; drop those disconnected. (Not those merely
+        gone from the board: a replica that stops posting while its engine still serves
+        is the watchdog's to judge; an engine whose replica is gone exits, and its
+        connection ends.)"""
         snapshot = await self._board.snapshot.remote()
         for worker_id, (pool, stats) in snapshot.items():
             address = stats.get("address")
@@ -65,7 +68,7 @@ class WorkerDirectory:
                 self._opening.add(worker_id)
                 asyncio.ensure_future(self._connect(worker_id, pool, address))
         for worker_id, (pool, conn) in list(self._workers.items()):
-            if worker_id not in snapshot or not conn.alive:
+            if not conn.alive:
                 del self._workers[worker_id]
                 self._stalled.discard(conn.name)
                 conn.close()
