@@ -131,7 +131,7 @@ class HttpConfig:
     ``proxy``: what carries HTTP to the ingress replicas. ``haproxy`` (Ray Serve's HAProxy
     mode): HAProxy on ``host:port`` forwards each connection to an ingress replica's
     own HTTP server, with no Ray call on the way (``cluster/http_front.py``); ``serve``:
-    Ray Serve's proxy actor, one more hop (about 6 ms added to every request's TTFT).
+    Ray Serve's proxy actor, one more Ray call per request and per streamed chunk.
     """
 
     api_key: str | None = None

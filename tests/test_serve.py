@@ -191,11 +191,17 @@ def _open_stream(server: Server, body: dict) -> tuple[socket.socket, bytes]:
 
 
 def test_client_disconnect_frees_kv_on_both_workers(server):
-    body = _completion("Disconnect. " + LONG_PROMPT * 2, max_tokens=200)  # no prefix hit
+    check_disconnect_frees_kv(server, "Disconnect. ")
+
+
+def check_disconnect_frees_kv(server: Server, prefix: str) -> None:
+    """A stream closed two tokens into its 200 is cancelled (the counter rises), and
+    then every block is free on both workers. ``prefix`` keeps its prompt a miss."""
+    body = _completion(prefix + LONG_PROMPT * 2, max_tokens=200)
     cancelled = 'splitserve_requests_total{outcome="cancelled",route="disaggregated"}'
     before = server.metrics().get(cancelled, 0)
     sock, _ = _open_stream(server, body)
-    sock.close()  # two tokens in, at once: far from its 200 (the workers hold its KV)
+    sock.close()  # at once: far from its 200 tokens (the workers hold its KV)
     deadline = time.monotonic() + 10
     while server.metrics().get(cancelled, 0) <= before:
         requests = {k: v for k, v in server.metrics().items() if "requests_total" in k}

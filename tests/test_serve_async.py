@@ -13,13 +13,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from tests import checkpoints
 from tests.serve_harness import offline_greedy, one_prefill_one_decode_config, serving
-from tests.test_serve import LONG_PROMPT, SHORT_PROMPT, _completion, _open_stream
+from tests.test_serve import LONG_PROMPT, SHORT_PROMPT, _completion, check_disconnect_frees_kv
 
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 256
@@ -81,17 +80,7 @@ def test_32_concurrent_streams_complete(server):
 
 
 def test_client_disconnect_frees_kv_on_both_workers(server):
-    body = _completion("Disconnect async. " + LONG_PROMPT * 2, max_tokens=200)
-    cancelled = 'splitserve_requests_total{outcome="cancelled",route="disaggregated"}'
-    before = server.metrics().get(cancelled, 0)
-    sock, _ = _open_stream(server, body)
-    sock.close()  # two tokens in, at once: far from its 200 (the workers hold its KV)
-    deadline = time.monotonic() + 10
-    while server.metrics().get(cancelled, 0) <= before:
-        requests = {k: v for k, v in server.metrics().items() if "requests_total" in k}
-        assert time.monotonic() < deadline, requests
-        time.sleep(0.1)
-    server.wait_all_blocks_free()  # after the cancel, on both workers
+    check_disconnect_frees_kv(server, "Disconnect async. ")
 
 
 def test_the_ingress_runs_the_configured_replicas(server):
