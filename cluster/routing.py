@@ -81,10 +81,12 @@ class WorkerLoad:
         return self.num_running + self.num_waiting + self.num_waiting_for_kv + self.num_sending_kv
 
     @classmethod
-    def from_stats(cls, stats: dict | None) -> WorkerLoad:
-        if not stats:
+    def from_stats(cls, stats: object | None) -> WorkerLoad:
+        """The load in a worker's ``WorkerStats`` (its attributes, no copy: a request
+        ranks every engine of a pool); defaults without stats."""
+        if stats is None:
             return cls()
-        return cls(**{k: stats[k] for k in cls.__dataclass_fields__ if k in stats})
+        return cls(**{k: getattr(stats, k) for k in cls.__dataclass_fields__})
 
 
 def choose_route(

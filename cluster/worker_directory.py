@@ -190,12 +190,12 @@ class WorkerDirectory:
             raise NoWorker(f"no {pool} worker is live") from None
 
     def _has_room(self, pool: str, conn: EngineConnection) -> bool:
-        load = WorkerLoad.from_stats(conn.stats.as_dict() if conn.stats else None)
+        load = WorkerLoad.from_stats(conn.stats)
         held = load.num_requests + conn.sent_since_stats
         return held < self._pools[pool].max_ongoing_requests
 
     def _cost(self, pool: str, conn: EngineConnection) -> tuple:
-        load = WorkerLoad.from_stats(conn.stats.as_dict() if conn.stats else None)
+        load = WorkerLoad.from_stats(conn.stats)
         if pool == "prefill":
             return prefill_cost(load, conn.sent_tokens_since_stats)
         return decode_cost(self._router, load, conn.sent_since_stats)

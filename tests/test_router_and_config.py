@@ -9,6 +9,7 @@ from splitserve.cluster.autoscaling import PoolAutoscalingPolicy
 from splitserve.cluster.routing import RouterConfig, WorkerLoad
 from splitserve.cluster.serve_command import default_config_path
 from splitserve.cluster.serve_config import ServeConfig
+from splitserve.workers.engine.messages import WorkerStats
 
 
 def test_routes_follow_prompt_length_and_pools():
@@ -52,7 +53,10 @@ def test_replica_ranking_uses_live_load():
     full = WorkerLoad(num_running=0, kv_usage=0.99)
     ranked = sorted([full, heavy, light], key=lambda w: routing.decode_cost(cfg, w, 0))
     assert ranked == [light, heavy, full]
-    assert WorkerLoad.from_stats({"num_running": 3, "role": "decode"}).num_running == 3
+    stats = WorkerStats("decode", 1, num_running=3, num_sending_kv=2, kv_usage=0.5)
+    load = WorkerLoad.from_stats(stats)
+    assert (load.num_running, load.num_requests, load.kv_usage) == (3, 5, 0.5)
+    assert WorkerLoad.from_stats(None) == WorkerLoad()
 
 
 class _Ctx:
