@@ -117,22 +117,7 @@ class DecodeGraphRunner:
         self.attn_backend.init_graph_buffers(rows, self.max_blocks_per_seq)
 
     def _static_batch(self, size: int) -> ForwardBatch:
-        b = self._buffers
-        return ForwardBatch(
-            phase=Phase.DECODE,
-            input_ids=b["input_ids"][:size],
-            positions=b["positions"][:size],
-            query_lens=[1] * size,
-            seq_lens=[PAD_SEQ_LEN] * size,
-            query_start_loc=b["query_start_loc"][: size + 1],
-            seq_lens_tensor=b["seq_lens"][:size],
-            block_tables=b["block_tables"][:size],
-            block_ids=[[NULL_BLOCK]] * size,
-            slot_mapping=b["slot_mapping"][:size],
-            logits_indices=b["logits_indices"][:size],
-            kv_cache=self.kv_cache,
-            attn_backend=self.attn_backend,
-        )
+        return static_decode_batch(self._buffers, size, self.kv_cache, self.attn_backend)
 
     def capture(self, size: int, owner: GraphOwner) -> None:
         if not self._buffers:
@@ -279,4 +264,25 @@ def _padded(static: ForwardBatch, seq_lens: list[int], block_ids: list[list[int]
         static,
         seq_lens=seq_lens + [PAD_SEQ_LEN] * pad,
         block_ids=block_ids + [[NULL_BLOCK]] * pad,
+    )
+
+
+def static_decode_batch(buffers: dict, size: int, kv_cache, attn_backend) -> ForwardBatch:
+    """The first ``size`` rows of a graph's static buffers as a decode batch, every row
+    at the null page (the decode and draft graph runners capture and replay these)."""
+    b = buffers
+    return ForwardBatch(
+        phase=Phase.DECODE,
+        input_ids=b["input_ids"][:size],
+        positions=b["positions"][:size],
+        query_lens=[1] * size,
+        seq_lens=[PAD_SEQ_LEN] * size,
+        query_start_loc=b["query_start_loc"][: size + 1],
+        seq_lens_tensor=b["seq_lens"][:size],
+        block_tables=b["block_tables"][:size],
+        block_ids=[[NULL_BLOCK]] * size,
+        slot_mapping=b["slot_mapping"][:size],
+        logits_indices=b["logits_indices"][:size],
+        kv_cache=kv_cache,
+        attn_backend=attn_backend,
     )

@@ -30,8 +30,9 @@ from torch import nn
 from splitserve.scheduler.block_manager import NULL_BLOCK
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.runner.cuda_graphs.decode_runner import static_decode_batch
 from splitserve.workers.runner.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner, bucket
-from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
+from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import padded_block_tables
 from splitserve.workers.runner.step_plan import plan_step
 
@@ -110,22 +111,7 @@ class DraftGraphRunner:
         self.attn_backend.init_graph_buffers(rows, self.max_blocks_per_seq)
 
     def _static_batch(self, size: int) -> ForwardBatch:
-        b = self._buffers
-        return ForwardBatch(
-            phase=Phase.DECODE,
-            input_ids=b["input_ids"][:size],
-            positions=b["positions"][:size],
-            query_lens=[1] * size,
-            seq_lens=[PAD_SEQ_LEN] * size,
-            query_start_loc=b["query_start_loc"][: size + 1],
-            seq_lens_tensor=b["seq_lens"][:size],
-            block_tables=b["block_tables"][:size],
-            block_ids=[[NULL_BLOCK]] * size,
-            slot_mapping=b["slot_mapping"][:size],
-            logits_indices=b["logits_indices"][:size],
-            kv_cache=self.kv_cache,
-            attn_backend=self.attn_backend,
-        )
+        return static_decode_batch(self._buffers, size, self.kv_cache, self.attn_backend)
 
     def capture(self, size: int, owner: GraphOwner) -> None:
         if not self._buffers:
