@@ -11,13 +11,15 @@ tokens gets zeros. Computed in float32, returned in ``q``'s dtype.
 last token) at its slot, as ``kv_store.store_kv`` does (slot -1: not stored).
 ``norm_rope = (positions, q_weight, k_weight, eps, cos_cache, sin_cache)`` (with
 ``new_kv``) first norms and rotates q and the new K rows as ``qk_norm_rope`` does.
+``kv_scales = (k_scale, v_scale)``: the caches are FP8 (``float8_e4m3fn``), read as
+``float(q) * scale`` and written (``new_kv``) as ``kv_store.store_kv_fp8`` does.
 """
 
 from __future__ import annotations
 
 import torch
 
-from splitserve.kernels.kv_store import store_kv
+from splitserve.kernels.kv_store import FP8_DTYPE, dequantize_fp8, store_kv, store_kv_fp8
 from splitserve.kernels.qk_norm_rope import qk_norm_rope
 
 
@@ -30,15 +32,18 @@ def decode_attention(
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     norm_rope: tuple | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv, norm_rope)
+    check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv, norm_rope, kv_scales)
     if norm_rope is not None:
         positions, q_weight, k_weight, eps, cos, sin = norm_rope
         q, k = qk_norm_rope(positions, q, new_kv[0], q_weight, k_weight, eps, cos, sin)
         new_kv = (k, *new_kv[1:])
-    if new_kv is not None:
+    if new_kv is not None and kv_scales is not None:
+        store_kv_fp8(*new_kv[:2], k_cache, v_cache, new_kv[2], *kv_scales)
+    elif new_kv is not None:
         store_kv(*new_kv[:2], k_cache, v_cache, new_kv[2])
     max_len = max(int(seq_lens.max()), 1) if batch else 1
     positions = torch.arange(max_len, device=q.device)
@@ -46,6 +51,8 @@ def decode_attention(
     blocks = block_tables.long()[:, block_index]  # [batch, max_len]
     keys = k_cache[blocks, positions % block_size].float()  # [batch, max_len, kv_heads, dim]
     values = v_cache[blocks, positions % block_size].float()
+    if kv_scales is not None:
+        keys, values = dequantize_fp8(keys, kv_scales[0]), dequantize_fp8(values, kv_scales[1])
     group = num_heads // num_kv_heads
     keys, values = (x.repeat_interleave(group, dim=2) for x in (keys, values))
     scores = torch.einsum("bhd,blhd->bhl", q.float(), keys) * scale
@@ -55,8 +62,17 @@ def decode_attention(
     return torch.einsum("bhl,blhd->bhd", probs, values).to(q.dtype)
 
 
-def check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv=None, norm_rope=None) -> None:
+def check_shapes(
+    q, k_cache, v_cache, block_tables, seq_lens, new_kv=None, norm_rope=None, kv_scales=None
+) -> None:
     """Raise ValueError, naming what is wrong, unless the arguments fit together."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if fp8 != (kv_scales is not None):
+        raise ValueError(
+            f"a {k_cache.dtype} cache " + ("needs kv_scales" if fp8 else "takes no kv_scales")
+        )
+    if fp8 and any(s.dtype != torch.float32 or s.numel() != 1 for s in kv_scales):
+        raise ValueError("kv_scales are two [1] float32 tensors (K's and V's)")
     if q.dim() != 3 or k_cache.dim() != 4:
         raise ValueError(
             f"q is [batch, heads, dim] and the caches NHD [blocks, block_size, kv_heads, dim]; "

@@ -36,6 +36,11 @@ latency hides behind the projection. Only both together gained: the early launch
 alone lost (its programs wait beside the projection), and at eight requests the
 preload lost, so it runs at one request only. Figures: ``docs/perf/TUNING.md``.
 
+An FP8 cache (``kv_scales``) is read at half the bytes: each tile of K and V is
+widened to q's dtype as it is loaded, K's scale joins the softmax scale and V's
+multiplies the output; a new row is stored quantized with the scales (which the
+caller has calibrated) and attended as a later step will read it.
+
 The group's query heads are the rows of one ``tl.dot`` (padded to 16 rows):
 q and K in their dtype, scores and sums in float32, the probabilities cast to
 V's dtype for the second product, as FlashAttention does; float32 inputs
@@ -90,6 +95,7 @@ def _load_tile(
 @triton.jit
 def _attend_tile(q, k, v, valid, m, denom, acc, scale, PRECISION: tl.constexpr):
     """One tile's step of the online softmax: the running max, sum and output updated."""
+    k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: widened to q's dtype (else as is)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -98,6 +104,13 @@ def _attend_tile(q, k, v, valid, m, denom, acc, scale, PRECISION: tl.constexpr):
     denom = denom * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, denom, acc
+
+
+@triton.jit
+def _quantize(x, scale, dtype):
+    """``x`` as an FP8 cache stores it (``kv_store.quantize_fp8``): ``fp8(x / scale)``."""
+    scale = tl.where(scale > 0, scale, 1.0)
+    return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(dtype)
 
 
 @triton.jit
@@ -115,6 +128,8 @@ def _split_kernel(
     k_new_ptr,  # [batch, num_kv_heads, HEAD_DIM]: the last token's K/V (with NEW_KV)
     v_new_ptr,
     slot_ptr,  # [batch] int, -1: not stored
+    k_scale_ptr,  # FP8: [1] float32 K and V scales of the cache (read as float(q) * scale)
+    v_scale_ptr,
     pos_ptr,  # NORM_ROPE: [batch] int positions, the q/k norm weights, cos / sin caches
     q_norm_ptr,
     k_norm_ptr,
@@ -146,6 +161,7 @@ def _split_kernel(
     PRECISION: tl.constexpr,
     NEW_KV: tl.constexpr,
     NORM_ROPE: tl.constexpr,  # q and the new K row: RMS-normed per head and rotated first
+    FP8: tl.constexpr,  # the cache holds float8_e4m3fn with a K and a V scale
     PRELOAD: tl.constexpr,  # load the first tile before waiting for the previous kernel
     PDL: tl.constexpr,
 ):
@@ -183,6 +199,10 @@ def _split_kernel(
         )  # fmt: skip
     else:
         q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if FP8:  # K's scale joins the softmax scale; V's scales the output
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+        scale = scale * k_scale
     if NEW_KV:
         k_row = k_new_ptr + b * stride_kb + kv_head * stride_kh
         if NORM_ROPE:
@@ -194,6 +214,9 @@ def _split_kernel(
         else:
             k_new = tl.load(k_row + dims, mask=dim_ok)
         v_new = tl.load(v_new_ptr + b * stride_vb + kv_head * stride_vh + dims, mask=dim_ok)
+        if FP8:  # stored as the store kernel would, and attended as a reader sees it
+            k_new = _quantize(k_new, k_scale, k_cache_ptr.dtype.element_ty)
+            v_new = _quantize(v_new, v_scale, v_cache_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + b).to(tl.int64)
         if (split == NUM_SPLITS - 1) & (slot >= 0):
             dst = (
@@ -231,6 +254,8 @@ def _split_kernel(
 
     some = denom > 0
     out = acc / tl.where(some, denom, 1.0)[:, None]
+    if FP8:
+        out = out * v_scale
     lse = tl.where(some, m + tl.log(tl.where(some, denom, 1.0)), float("-inf"))
     out_mask = row_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:  # the whole context: the output itself (what the merge would write)
@@ -296,11 +321,14 @@ def decode_attention(
     out: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k, v, slots
     norm_rope: tuple | None = None,  # positions, q / k norm weights, eps, cos, sin caches
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 caches: [1] K, V scales
 ) -> torch.Tensor:
     """Attend each request's query row over its paged KV; same result as the reference
     (with ``new_kv``: the new rows stored first; with ``norm_rope``: q and the new K rows
-    normed and rotated as they are loaded, as ``qk_norm_rope`` would first)."""
-    check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv, norm_rope)
+    normed and rotated as they are loaded, as ``qk_norm_rope`` would first; with
+    ``kv_scales``: an FP8 cache read as ``float(q) * scale``, and new rows stored with
+    those scales, which must be calibrated already: this kernel never sets them)."""
+    check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv, norm_rope, kv_scales)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
@@ -330,14 +358,15 @@ def decode_attention(
     positions, q_norm, k_norm, eps, cos, sin = norm_rope or (seq_lens, q, q, 0.0, q, q)
     _split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, out.stride(0),
-        out.stride(1), k_new, v_new, slots,
+        out.stride(1), k_new, v_new, slots, *(kv_scales or (seq_lens, seq_lens)),
         positions, q_norm, k_norm, cos, sin, cos.stride(0), sin.stride(0), cos.shape[-1] // 2,
         eps, scale, q.stride(0), q.stride(1), *k_new.stride()[:2], *v_new.stride()[:2],
         block_tables.stride(0), stride_block, stride_offset, stride_head,
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NEW_KV=new_kv is not None, NORM_ROPE=norm_rope is not None, num_warps=4,
+        NEW_KV=new_kv is not None, NORM_ROPE=norm_rope is not None, FP8=kv_scales is not None,
+        num_warps=4,
         PRELOAD=batch == 1 and new_kv is not None,  # the new row is not among the cached
         **launch_options(
             q.device, starts_early=batch <= PDL_MAX_BATCH, lets_next_start=False,
