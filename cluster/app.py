@@ -71,7 +71,11 @@ def pool_deployment(name: str, pool: PoolConfig, config: ServeConfig) -> serve.D
     gpus = pool.num_gpus if pool.num_gpus is not None else (1 if on_gpu else 0)
     options = dict(
         name=name,
-        ray_actor_options={"num_cpus": pool.num_cpus, "num_gpus": gpus},
+        ray_actor_options={
+            "num_cpus": pool.num_cpus,
+            "num_gpus": gpus,
+            "resources": pool.resources,
+        },
         health_check_period_s=2.0,
         # A replica too hung to answer is replaced as one whose engine stalled.
         health_check_timeout_s=pool.watchdog_timeout_s,
@@ -104,3 +108,10 @@ def _engine_dict(config: ServeConfig) -> dict:
     engine = asdict(config.engine)
     engine.pop("role")  # each pool sets its own
     return engine
+
+
+def app_builder(args: dict) -> serve.Application:
+    """The application of a Ray Serve config file (``serve deploy``, KubeRay's
+    serveConfigV2): ``import_path: splitserve.cluster.app:app_builder``, its ``args`` a
+    serve config (``splitserve render --target serve-config`` writes one)."""
+    return build_app(ServeConfig.from_dict(args))

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from splitserve.cluster import generate_command, serve_command
+from splitserve.cluster import generate_command, render, serve_command
 from splitserve.config import env
 
 
@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     generate_command.add_parser(commands)
     serve_command.add_parsers(commands)
+    render.add_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=env("SPLITSERVE_LOG_LEVEL").upper(),

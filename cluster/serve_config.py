@@ -21,6 +21,7 @@ from splitserve.config import EngineConfig, known_keys
 
 POOLS = ("prefill", "decode", "mixed")
 PROXIES = ("haproxy", "serve")  # http.proxy
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 @dataclass
@@ -30,6 +31,10 @@ class PoolConfig:
     max_replicas: int | None = None
     num_cpus: float = 0.0  # Ray resources per replica
     num_gpus: float | None = None  # None: 1 when the engine runs on CUDA, else 0
+    # Custom Ray resources per replica, e.g. {prefill_gpu: 1}: the replica goes only to
+    # nodes that offer them (a ``ray up`` node type or a KubeRay worker group of that
+    # name; ``splitserve render`` writes both from this key).
+    resources: dict[str, float] = field(default_factory=dict)
     max_ongoing_requests: int = 512  # per replica: its engine answers Overloaded beyond it
     # Requests an ingress replica holds while every replica of this pool is at its
     # max_ongoing_requests; beyond it a request gets 503.
@@ -67,6 +72,7 @@ class PoolConfig:
                 raise bad("max_replicas", f">= max(1, min_replicas={self.min_replicas})")
         if self.max_ongoing_requests < 1:
             raise bad("max_ongoing_requests", ">= 1")
+        self._check_resources(name)
         if self.max_queued_requests < 1:
             raise bad("max_queued_requests", ">= 1")
         if self.target_queued_prompt_tokens < 1:
@@ -79,6 +85,25 @@ class PoolConfig:
             raise bad("stall_timeout_s", "> 0")
         if not self.watchdog_timeout_s >= self.stall_timeout_s:
             raise bad("watchdog_timeout_s", f">= stall_timeout_s={self.stall_timeout_s}")
+
+    def _check_resources(self, name: str) -> None:
+        resources = self.resources
+        if not isinstance(resources, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in resources.items()
+        ):
+            raise ValueError(
+                f"invalid pools.{name}.resources={resources!r}: must map resource names to "
+                "numbers, e.g. {prefill_gpu: 1}"
+            )
+        for key, amount in resources.items():
+            if key in RAY_BUILTIN_RESOURCES:
+                raise ValueError(
+                    f"invalid pools.{name}.resources.{key}: CPU and GPU are num_cpus and "
+                    "num_gpus; resources holds custom ones, e.g. {prefill_gpu: 1}"
+                )
+            if not amount > 0:
+                raise ValueError(f"invalid pools.{name}.resources.{key}={amount!r}: must be > 0")
 
     @property
     def active(self) -> bool:
