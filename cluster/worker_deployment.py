@@ -31,6 +31,7 @@ from ray import serve
 from splitserve.config import EngineConfig
 from splitserve.workers.engine.engine_client import EngineClient
 from splitserve.workers.engine.messages import NcclJoinCall
+from splitserve.workers.parallel.rank_owner import split_owner
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class EngineWorker:
         self._reporter = asyncio.get_event_loop().create_task(self._report_loop())
 
     async def nccl_join(self, call: NcclJoinCall) -> bool:
-        self.engine.join(call.pair_key, call.unique_id)
+        self.engine.join(call.pair_key, call.unique_id, call.rank)
         return True
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -130,10 +131,13 @@ class EngineWorker:
 
 
 def _nccl_rendezvous(app_name: str):
-    """Ask the decode replica named in the ticket to join the pair's communicator."""
+    """Ask the decode replica named in the ticket to join the pair's communicator (with the
+    rank of its expert-parallel group that the ticket names)."""
 
     def rendezvous(owner: str, pair_key: str, unique_id: bytes) -> None:
+        worker, rank = split_owner(owner)
         handle = serve.get_deployment_handle("decode", app_name=app_name)
-        handle.nccl_join.remote(NcclJoinCall(owner, pair_key, unique_id)).result(timeout_s=60)
+        call = NcclJoinCall(worker, pair_key, unique_id, rank)
+        handle.nccl_join.remote(call).result(timeout_s=60)
 
     return rendezvous

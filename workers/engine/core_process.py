@@ -28,6 +28,7 @@ died) the process exits: it never outlives its replica.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -123,6 +124,7 @@ class RendezvousDone:
 class JoinPair:
     pair_key: str
     unique_id: bytes
+    rank: int = 0  # the expert-parallel rank whose transport joins
 
 
 @messages.register
@@ -159,8 +161,12 @@ class EngineCore:
         self.engine = LLMEngine(config, delta_outputs=True, **options)
         if self.engine.kv_transport is not None:
             self.engine.kv_transport.notify = self._wakeup.set
+        if self.engine.ep_front is not None:  # another rank's transport has news
+            self.engine.ep_front.notify = self._wakeup.set
         self.listener = FrontListener(start.front_host, start.secret, self._on_front_message)
         self.num_steps = 0
+        # Fault injection (tests): hold a long prompt mid-prefill, see splitserve/config.py.
+        self._prefill_step_delay_s = float(env("SPLITSERVE_PREFILL_STEP_DELAY_S"))
 
     def run(self) -> None:
         threading.Thread(target=self._read_replica, name="engine-control", daemon=True).start()
@@ -172,6 +178,8 @@ class EngineCore:
                 events = [_event_of(output) for output in engine.step()]
                 self.num_steps += 1
                 self._send_events(events)
+                if self._prefill_step_delay_s and _mid_prefill(engine):
+                    time.sleep(self._prefill_step_delay_s)
             if not engine.has_runnable_requests():
                 self._wakeup.wait(IDLE_WAIT_S)  # a command or a transfer event wakes it
                 self._wakeup.clear()
@@ -182,6 +190,11 @@ class EngineCore:
         self._send_events([Failed(rid, message) for rid in list(self._owners)])
         self.listener.close()
         self.engine.close()
+
+    def fail_open_requests(self, message: str) -> None:
+        """End every open request with ``message`` (the loop died: say why to the fronts)."""
+        with contextlib.suppress(Exception):
+            self._send_events([Failed(rid, message) for rid in list(self._owners)])
 
     def stats(self) -> WorkerStats:
         stats = collect_stats(self.engine, self.num_steps)
@@ -224,7 +237,7 @@ class EngineCore:
                     result.append(message.error)
                     done.set()
                 elif isinstance(message, JoinPair):  # returns at once: rank 1 in a thread
-                    self.engine.kv_transport.join(message.pair_key, message.unique_id)
+                    self.engine.join_kv_pair(message.pair_key, message.unique_id, message.rank)
                 elif isinstance(message, Drain):
                     self._draining = True
                     self._wakeup.set()
@@ -303,13 +316,28 @@ class EngineCore:
             self._rendezvous.pop(call_id, None)
 
 
+def _mid_prefill(engine: LLMEngine) -> bool:
+    """Whether a running request's prompt is partly computed."""
+    return any(0 < r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+
+
 def _event_of(output: RequestOutput) -> Event:
     if output.kv_ticket is not None:
         return TicketIssued(output.request_id, output.kv_ticket)
     return Delta.of(output)
 
 
-def collect_stats(engine: LLMEngine, num_steps: int) -> WorkerStats:
+def collect_stats(
+    engine: LLMEngine, num_steps: int, wait_for_experts: bool | None = None
+) -> WorkerStats:
+    """The engine's load; rank 0 of an expert-parallel group: the group's.
+    ``wait_for_experts``: see ``LLMEngine.expert_tokens``."""
+    stats = _engine_stats(engine, num_steps)
+    stats.expert_tokens = engine.expert_tokens(wait_for_experts)
+    return engine.ep_front.group_stats(stats) if engine.ep_front is not None else stats
+
+
+def _engine_stats(engine: LLMEngine, num_steps: int) -> WorkerStats:
     sched, bm, transport = engine.scheduler, engine.block_manager, engine.kv_transport
     spec = engine.spec_stats
     statuses = [r.status for r in sched.requests.values()]
@@ -355,8 +383,9 @@ def main(fd: int) -> None:
     core.replica.send(Ready(core.stats()))
     try:
         core.run()
-    except BaseException:
+    except BaseException as e:
         logger.exception("the engine loop died")
+        core.fail_open_requests(f"the {core.engine.role} worker's engine failed: {e}")
         core.replica.send(EngineDied(traceback.format_exc()))
         sys.exit(1)
 

@@ -104,9 +104,10 @@ class EngineClient:
     def pid(self) -> int:
         return self.process.pid
 
-    def join(self, pair_key: str, unique_id: bytes) -> None:
-        """NCCL, decode side: join a prefill worker's pair as rank 1 (returns at once)."""
-        self._send(JoinPair(pair_key, unique_id))
+    def join(self, pair_key: str, unique_id: bytes, rank: int = 0) -> None:
+        """NCCL, decode side: join a prefill worker's pair as rank 1 (returns at once);
+        ``rank``: which rank of an expert-parallel group joins."""
+        self._send(JoinPair(pair_key, unique_id, rank))
 
     @property
     def holds_requests(self) -> bool:

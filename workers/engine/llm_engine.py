@@ -50,8 +50,9 @@ from splitserve.workers.model.loader import load_checkpoint, load_hf_config, loa
 from splitserve.workers.model.tokenizer import load_tokenizer, tiny_tokenizer
 from splitserve.workers.output.processor import OutputProcessor
 from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
+from splitserve.workers.parallel.expert_load import ExpertLoad
 from splitserve.workers.parallel.front import GroupFront, start_group
-from splitserve.workers.parallel.group import GroupMember, tokens_per_expert
+from splitserve.workers.parallel.group import GroupMember
 from splitserve.workers.parallel.lockstep import Lockstep
 from splitserve.workers.runner.kernel_warmup import warm_sampling_kernels
 from splitserve.workers.runner.model_runner import GraphLimits, LaunchedStep, ModelRunner
@@ -93,7 +94,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(path) if path is not None else tiny_tokenizer()
         self.ep_front: GroupFront | None  # rank 0 of an expert-parallel group: the others
         self.ep_front, member = start_group(
-            config, self.hf_config, self.device, member, delta_outputs
+            config, self.hf_config, self.device, member, delta_outputs, transport_options
         )
         model = load_model(
             self.hf_config,
@@ -105,9 +106,11 @@ class LLMEngine:
             expert_shard=member.expert_shard(self.hf_config) if member else None,
         )
         lockstep = Lockstep.join(member, model, self.device, self.role) if member else None
+        self.expert_load = ExpertLoad(model) if member else None
         self.max_model_len = admission.max_model_len(config, self.hf_config)
         self.eos_token_ids = admission.eos_token_ids(self.hf_config, self.tokenizer)
-        kv_layout = model.kv_layout.with_storage(config.cache.block_size, dtype)
+        kv_dtype = config.cache.kv_dtype(dtype)
+        kv_layout = model.kv_layout.with_storage(config.cache.block_size, kv_dtype)
         num_blocks = admission.num_kv_blocks(config, kv_layout, self.max_model_len)
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
         self.block_manager = BlockManager(
@@ -124,6 +127,7 @@ class LLMEngine:
             self.hf_config.num_attention_heads,
             kv_layout,
             config.kernels,
+            dtype,
         )
         speculator = None
         if num_spec:
@@ -135,6 +139,7 @@ class LLMEngine:
                     self.hf_config.num_attention_heads,
                     kv_layout,
                     config.kernels,
+                    dtype,
                 )
             proposer = MTPProposer(model, num_spec, self.kv_cache, backend, graph_backend)
             speculator = Speculator(model, proposer, self.sampler)
@@ -170,7 +175,9 @@ class LLMEngine:
                 kt.transport, self.kv_cache, kt.host, kt.timeout_s, auth_key=kt.auth_key, **options
             )
             num_layers = self.hf_config.num_hidden_layers
-            self.handoff = KVHandoff(transport, self.scheduler, num_layers, drafts=num_spec > 0)
+            self.handoff = KVHandoff(
+                transport, self.scheduler, num_layers, num_spec > 0, self.kv_cache
+            )
         self.async_scheduling = config.scheduler.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.device.type == "cuda"
@@ -183,7 +190,7 @@ class LLMEngine:
         if self.ep_front is not None:
             self.ep_front.wait_ready()
         logger.info(
-            "%s engine ready: %s on %s, %s attention, %d KV blocks of %d tokens, "
+            "%s engine ready: %s on %s, %s attention, %d KV blocks of %d tokens (%s), "
             "max_model_len %d, CUDA graphs %s",
             self.role,
             config.model,
@@ -191,6 +198,7 @@ class LLMEngine:
             backend.name,
             num_blocks,
             kv_layout.block_size,
+            str(kv_dtype).removeprefix("torch."),
             self.max_model_len,
             "on" if self.runner.graphs is not None else "off",
         )
@@ -210,10 +218,6 @@ class LLMEngine:
         decode worker and the request ends once that worker has it.
         """
         request, text = self._new_request(request_id, prompt, params)
-        if self.ep_front is not None and kv_ticket is None:
-            load = len(self.scheduler.requests)
-            if self.ep_front.place_elsewhere(request_id, prompt, params, load):
-                return request  # another rank of the group computes it
         if kv_ticket is not None:
             if self.handoff is None:
                 raise InvalidRequestError(f"a {self.role} worker has no KV transport to send with")
@@ -222,6 +226,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 "a prefill worker serves only requests with a KV ticket from a decode worker"
             )
+        if self._placed_elsewhere(request, prompt, params, kv_ticket=request.kv_ticket):
+            return request  # another rank of the group computes it (and sends its KV)
         add = self.handoff.scheduler.admit if kv_ticket is not None else self.scheduler.add_request
         self._queue(request, text, add)
         return request
@@ -238,8 +244,33 @@ class LLMEngine:
                 f"a {self.role} worker does not receive KV; send remote requests to a decode worker"
             )
         request, text = self._new_request(request_id, prompt, params)
+        if self._placed_elsewhere(request, prompt, params, remote=True):
+            return request  # another rank reserves the blocks and issues the ticket
         self._queue(request, text, self.scheduler.add_remote_request)
         return request
+
+    def _placed_elsewhere(self, request: Request, prompt, params, **kind) -> bool:
+        """Rank 0 of an expert-parallel group: whether the least loaded rank is another one,
+        which then takes the request (``kind``: its ``kv_ticket`` or ``remote``)."""
+        if self.ep_front is None:
+            return False
+        load = len(self.scheduler.requests) + self.handoff_connecting
+        return self.ep_front.place_elsewhere(request.request_id, prompt, params, load, **kind)
+
+    @property
+    def handoff_connecting(self) -> int:
+        """Prefill side: requests waiting for their decode worker's connection."""
+        return self.handoff.scheduler.num_connecting if self.handoff is not None else 0
+
+    def join_kv_pair(self, pair_key: str, unique_id: bytes, rank: int = 0) -> None:
+        """NCCL, decode side: the transport of ``rank`` (of an expert-parallel group; 0
+        without one) joins a prefill worker's pair as its rank 1 (returns at once)."""
+        if rank == 0:
+            self.kv_transport.join(pair_key, unique_id)
+        elif self.ep_front is None:
+            raise ValueError(f"a KV pair for rank {rank}, but this engine is one rank")
+        else:
+            self.ep_front.join_kv_pair(rank, pair_key, unique_id)
 
     def num_cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Prompt tokens this worker's prefix cache would serve (for routing)."""
@@ -269,17 +300,21 @@ class LLMEngine:
         return (
             self.scheduler.has_runnable_requests()
             or self._in_flight is not None
-            or (self.ep_front is not None and self.ep_front.has_unfinished())
+            or (self.ep_front is not None and self.ep_front.has_runnable())
         )
 
-    def expert_tokens(self) -> list[list[int]]:
+    def expert_tokens(self, wait: bool | None = None) -> list[list[int]]:
         """Expert parallelism: per rank, the (token, expert) pairs each of its experts
         computed so far (rank r holds experts ``r * E/N ..``; the other ranks' as last
-        reported); [] without it. Waits for the device."""
-        if self.runner.lockstep is None:
+        reported); [] without it. ``wait`` (None: when the engine is idle): for the
+        device; else on a GPU the counts are those of the last snapshot it finished
+        (``ExpertLoad``), so a step is never held up."""
+        if self.expert_load is None:
             return []
+        if wait is None:
+            wait = not self.has_unfinished_requests()
         peers = self.ep_front.peer_expert_tokens() if self.ep_front is not None else []
-        return [tokens_per_expert(self.runner.model), *peers]
+        return [self.expert_load.read(wait), *peers]
 
     # -- weights -------------------------------------------------------------
 
@@ -349,7 +384,10 @@ class LLMEngine:
         if self.ep_front is None:
             return self._step()
         self.ep_front.start_step()
-        return self.ep_front.finish_step(self._step())
+        outputs = self.ep_front.finish_step(self._step())
+        if not self.has_unfinished_requests():  # the group went idle: every rank's counts
+            self.ep_front.refresh_stats()
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()

@@ -73,6 +73,7 @@ class NcclJoinCall:
     worker: str
     pair_key: str
     unique_id: bytes
+    rank: int = 0  # the expert-parallel rank whose transport joins (0 without EP)
 
 
 # ---- events ----------------------------------------------------------------
@@ -221,6 +222,9 @@ class WorkerStats:
     # routed experts computed so far (rank r holds experts r * E/N ..); [] without it.
     # ``LLMEngine.expert_tokens()``.
     expert_tokens: list[list[int]] = field(default_factory=list)
+    # Expert parallelism: per rank, its free KV blocks (the counts above are the
+    # group's sums); [] without it.
+    rank_free_blocks: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

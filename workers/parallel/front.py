@@ -5,7 +5,15 @@ new request on the least loaded rank (``distribution.py``), and steps the other
 ranks with its own steps: ``start_step`` sends each rank the requests and aborts
 queued for it and lets it run one step while rank 0 runs its own; ``finish_step``
 collects their outputs. The caller sees one engine: outputs of every rank, one
-``has_unfinished`` for all.
+``has_unfinished`` for all, one ``WorkerStats`` (``group_stats``).
+
+Serving: every rank has its own KV cache and KV transport, so a hand-off goes
+straight between the two ranks that compute it. A prefill worker's request (with a
+decode worker's ticket) is computed by the rank it is placed on, which sends from
+its own cache; a decode worker's remote request is reserved by the rank it is placed
+on, whose ticket carries that rank's transport address and owner
+(``rank_owner.py``), so the prefill worker sends there. The NCCL rendezvous, which
+only rank 0's process can ask of the replica, goes through ``rank_calls.py``.
 """
 
 from __future__ import annotations
@@ -14,12 +22,16 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+from collections.abc import Callable
 
 import torch
 
 from splitserve.config import EngineConfig
 from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
+from splitserve.workers.engine.messages import WorkerStats
+from splitserve.workers.kv.transfer.auth import process_key
+from splitserve.workers.kv.transfer.ticket import TransferTicket
 from splitserve.workers.output.request_output import RequestOutput
 from splitserve.workers.parallel.distribution import LeastLoaded
 from splitserve.workers.parallel.group import (
@@ -28,9 +40,15 @@ from splitserve.workers.parallel.group import (
     free_address,
     rank_device,
 )
+from splitserve.workers.parallel.group_stats import merge_group_stats
+from splitserve.workers.parallel.rank_calls import FrontSide
+from splitserve.workers.parallel.rank_owner import rank_owner
 from splitserve.workers.parallel.rank_process import (
     Loaded,
+    RankAdd,
+    RankStart,
     Ready,
+    ReportCall,
     Shutdown,
     StartFailed,
     StepCall,
@@ -49,49 +67,92 @@ def start_group(
     device: torch.device,
     member: GroupMember | None,
     delta_outputs: bool,
+    transport_options: dict,
 ) -> tuple[GroupFront | None, GroupMember | None]:
     """An engine's place in its group: rank 0 (no ``member`` given) checks the setting
-    and starts the other ranks; ``(None, None)`` without expert parallelism."""
+    and starts the other ranks; ``(None, None)`` without expert parallelism.
+    ``transport_options``: rank 0's KV transport's (``owner``, ``rendezvous``)."""
     size = config.parallel.expert_parallel_size
     if size == 1 or member is not None:
         return None, member
     check_expert_parallel(size, hf_config, device)  # (MTP with N > 1: EngineConfig refuses)
-    front = GroupFront(config, device, delta_outputs)
+    front = GroupFront(
+        config,
+        device,
+        delta_outputs,
+        owner=transport_options.get("owner", ""),
+        rendezvous=transport_options.get("rendezvous"),
+    )
     return front, front.member
 
 
 class GroupFront:
-    def __init__(self, config: EngineConfig, device: torch.device, delta_outputs: bool = False):
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        delta_outputs: bool = False,
+        owner: str = "",
+        rendezvous: Callable | None = None,
+    ):
         self.size = config.parallel.expert_parallel_size
         address = free_address()
         context = mp.get_context("spawn")  # never fork a process that may hold a GPU
-        self.conns, self.processes = [], []
+        self.conns, self.processes, call_conns = [], [], []
         for rank in range(1, self.size):
             mine, theirs = context.Pipe()
-            rank_config = dataclasses.replace(config, device=str(rank_device(device, rank)))
-            member = GroupMember(rank, self.size, address)
+            calls_mine, calls_theirs = context.Pipe()
+            start = RankStart(
+                dataclasses.replace(config, device=str(rank_device(device, rank))),
+                GroupMember(rank, self.size, address),
+                delta_outputs,
+                rank_owner(owner, rank),
+                rendezvous is not None,
+                process_key() if config.kv_transfer.auth_key is None else None,
+            )
             process = context.Process(
                 target=rank_main,
-                args=(rank_config, member, theirs, delta_outputs),
+                args=(start, theirs, calls_theirs),
                 name=f"splitserve-ep-rank{rank}",
                 daemon=True,
             )
             process.start()
             theirs.close()
+            calls_theirs.close()
             self.conns.append(mine)
+            call_conns.append(calls_mine)
             self.processes.append(process)
+        self.side = FrontSide(call_conns, rendezvous)
         self.member = GroupMember(0, self.size, address, lambda: self._expect(Loaded))
         self.places = LeastLoaded(self.size)
         self.calls = [StepCall() for _ in self.conns]
         self.busy = [False] * len(self.conns)
-        self.expert_tokens: list[list[int] | None] = [None] * len(self.conns)
+        self.runnable = [False] * len(self.conns)
+        self.stats: list[WorkerStats | None] = [None] * len(self.conns)  # as last reported
+        self._report = False
 
     def wait_ready(self) -> None:
-        self._expect(Ready)
+        for rank, ready in enumerate(self._expect(Ready), 1):
+            self.stats[rank - 1] = ready.stats
+
+    @property
+    def notify(self) -> Callable[[], None] | None:
+        return self.side.notify
+
+    @notify.setter
+    def notify(self, notify: Callable[[], None] | None) -> None:
+        """What wakes rank 0's loop when another rank's transport has news."""
+        self.side.notify = notify
 
     def peer_expert_tokens(self) -> list[list[int]]:
         """Ranks 1..N-1's latest reports of their experts' (token, expert) pairs."""
-        return [tokens or [] for tokens in self.expert_tokens]
+        return [(s.expert_tokens or [[]])[0] if s is not None else [] for s in self.stats]
+
+    def group_stats(self, rank0: WorkerStats) -> WorkerStats:
+        """The group's load as one worker's, from rank 0's and the others' last reports
+        (the next step asks them for fresh ones)."""
+        self._report = True
+        return merge_group_stats(rank0, [s for s in self.stats if s is not None])
 
     # -- requests --------------------------------------------------------------------
 
@@ -101,16 +162,20 @@ class GroupFront:
         prompt: str | list[int],
         params: SamplingParams | None,
         rank0_load: int,
+        kv_ticket: TransferTicket | bytes | None = None,
+        remote: bool = False,
     ) -> bool:
         """Place a new request (validated by rank 0) on the least loaded rank: True when
-        another rank computes it (queued for its next step), False for rank 0."""
+        another rank computes it (queued for its next step), False for rank 0.
+        ``kv_ticket``: a prefill worker's request, whose KV that rank sends; ``remote``:
+        a decode worker's reservation, whose ticket that rank issues."""
         if request_id in self.places.rank_of:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         rank = self.places.place(request_id, rank0_load)
         if rank == 0:
             return False
         params = params if params is not None else SamplingParams()
-        self.calls[rank - 1].adds.append((request_id, prompt, params))
+        self.calls[rank - 1].adds.append(RankAdd(request_id, prompt, params, kv_ticket, remote))
         return True
 
     def abort(self, request_id: str) -> bool:
@@ -122,15 +187,34 @@ class GroupFront:
         self.places.finished(request_id)
         return True
 
+    def join_kv_pair(self, rank: int, pair_key: str, unique_id: bytes) -> None:
+        """NCCL, decode side: rank ``rank``'s transport joins a prefill worker's pair."""
+        if not 0 < rank < self.size:
+            raise ValueError(f"no rank {rank} in an expert-parallel group of {self.size}")
+        self.side.join(rank, pair_key, unique_id)
+
     def has_unfinished(self) -> bool:
-        return any(self.busy) or any(call.adds for call in self.calls)
+        pending = any(call.adds or call.aborts for call in self.calls)
+        return any(self.busy) or pending or bool(self.side.lost)
+
+    def has_runnable(self) -> bool:
+        """Another rank has work for a step now (not only transfers under way)."""
+        pending = any(call.adds or call.aborts for call in self.calls)
+        return any(self.runnable) or pending or bool(self.side.lost)
 
     # -- steps -----------------------------------------------------------------------
 
     def start_step(self) -> None:
+        for rank in sorted(self.side.lost):
+            self._gone(rank, "its process ended")
         for rank, conn in enumerate(self.conns, 1):
             call, self.calls[rank - 1] = self.calls[rank - 1], StepCall()
-            conn.send(call)
+            call.report = self._report
+            try:
+                conn.send(call)
+            except OSError as e:
+                self._gone(rank, repr(e))
+        self._report = False
 
     def finish_step(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Rank 0's outputs of the step, then every other rank's."""
@@ -139,12 +223,23 @@ class GroupFront:
             reply: StepReply = self._recv(rank, conn)
             outputs += reply.outputs
             self.busy[rank - 1] = reply.has_unfinished
-            if reply.tokens_per_expert is not None:
-                self.expert_tokens[rank - 1] = reply.tokens_per_expert
+            self.runnable[rank - 1] = reply.has_runnable
+            if reply.stats is not None:
+                self.stats[rank - 1] = reply.stats
         for out in outputs:
             if out.finished:
                 self.places.finished(out.request_id)
         return outputs
+
+    def refresh_stats(self) -> None:
+        """Every other rank's stats now, between steps (the group is idle)."""
+        for rank, conn in enumerate(self.conns, 1):
+            try:
+                conn.send(ReportCall())
+            except OSError as e:
+                self._gone(rank, repr(e))
+        for rank, conn in enumerate(self.conns, 1):
+            self.stats[rank - 1] = self._recv(rank, conn)
 
     def close(self, wait: bool = True) -> None:
         """Stop the other ranks: after their current step (``wait``), or now."""
@@ -157,7 +252,8 @@ class GroupFront:
                 logger.warning("expert-parallel rank process %d did not stop", process.pid)
                 process.kill()
 
-    def _expect(self, kind: type) -> None:
+    def _expect(self, kind: type) -> list:
+        messages = []
         for rank, conn in enumerate(self.conns, 1):
             message = self._recv(rank, conn)
             if isinstance(message, StartFailed):
@@ -165,12 +261,19 @@ class GroupFront:
                 raise RuntimeError(f"expert-parallel rank {rank} failed to start:\n{message.error}")
             if not isinstance(message, kind):
                 raise RuntimeError(f"expert-parallel rank {rank} sent {message!r}, not {kind}")
+            messages.append(message)
+        return messages
 
     def _recv(self, rank: int, conn):
         try:
             return conn.recv()
         except (EOFError, OSError) as e:
-            code = self.processes[rank - 1].exitcode
-            raise RuntimeError(
-                f"expert-parallel rank {rank} is gone (exit code {code}): {e!r}"
-            ) from e
+            self._gone(rank, repr(e))
+
+    def _gone(self, rank: int, why: str):
+        process = self.processes[rank - 1]
+        process.join(1.0)  # its exit code, when it is ending
+        raise RuntimeError(
+            f"expert-parallel rank {rank} of {self.size} is gone (process {process.pid}, "
+            f"exit code {process.exitcode}): {why}; the group cannot step without it"
+        )

@@ -103,13 +103,6 @@ def attach_dispatcher(model: nn.Module, group: ExpertGroup) -> None:
             module.dispatcher = dispatcher
 
 
-def tokens_per_expert(model: nn.Module) -> list[int]:
-    """(token, expert) pairs each of this rank's experts computed so far, summed over the
-    MoE layers (waits for the device)."""
-    counts = [m.tokens_per_expert for m in model.modules() if isinstance(m, Experts)]
-    return torch.stack(counts).sum(dim=0).tolist() if counts else []
-
-
 def free_address(host: str = "127.0.0.1") -> str:
     """A ``host:port`` with a port free right now, for rank 0's store."""
     with socket.socket() as s:
