@@ -7,12 +7,14 @@ engine process takes connections only from fronts that present it.
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import asdict
 
 from ray import serve
-from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from splitserve.cluster.autoscaling import PoolAutoscalingPolicy
+from splitserve.cluster.autoscaling import limits_of
+from splitserve.cluster.autoscaling_policy import GoodputPolicy, policy_kwargs
 from splitserve.cluster.ingress import OpenAIIngress
 from splitserve.cluster.request_router import PoolRequestRouter
 from splitserve.cluster.serve_config import POOLS, PoolConfig, ServeConfig
@@ -84,20 +86,15 @@ def pool_deployment(name: str, pool: PoolConfig, config: ServeConfig) -> serve.D
         request_router_config=RequestRouterConfig(request_router_class=PoolRequestRouter),
     )
     if pool.autoscaling:
+        # Sized by the app's policy (``serve_application``), which applies its own delays;
+        # a pool that may go to zero starts with one replica.
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=pool.min_replicas,
             max_replicas=pool.max_replicas,
-            policy=AutoscalingPolicy(
-                policy_function=PoolAutoscalingPolicy,
-                policy_kwargs={
-                    "pool": name,
-                    "target_queued_prompt_tokens": pool.target_queued_prompt_tokens,
-                    "target_running_requests": pool.target_running_requests,
-                    "target_kv_usage": pool.target_kv_usage,
-                },
-            ),
-            upscale_delay_s=5.0,
-            downscale_delay_s=60.0,
+            initial_replicas=max(pool.min_replicas, 1),
+            upscale_delay_s=0.0,
+            downscale_delay_s=0.0,
+            downscale_to_zero_delay_s=0.0,
         )
     else:
         options["num_replicas"] = pool.replicas
@@ -115,3 +112,43 @@ def app_builder(args: dict) -> serve.Application:
     serveConfigV2): ``import_path: splitserve.cluster.app:app_builder``, its ``args`` a
     serve config (``splitserve render --target serve-config`` writes one)."""
     return build_app(ServeConfig.from_dict(args))
+
+
+def serve_application(config: ServeConfig) -> dict:
+    """The app as a Ray Serve config file's application (``ServeApplicationSchema``):
+    built by ``app_builder`` from the serve config, and, when a pool autoscales, the
+    application-level autoscaling policy over the autoscaled pools (``GoodputPolicy``)."""
+    app = {
+        "name": config.app_name,
+        "route_prefix": "/",
+        "import_path": "splitserve.cluster.app:app_builder",
+        "args": config.to_dict(),
+    }
+    pools = {n: limits_of(p) for n, p in config.pools.items() if p.active and p.autoscaling}
+    if pools:
+        kwargs = policy_kwargs(pools, config.autoscaling, config.slo, config.stats_period_s)
+        policy = f"{GoodputPolicy.__module__}:{GoodputPolicy.__name__}"
+        app["autoscaling_policy"] = {"policy_function": policy, "policy_kwargs": kwargs}
+    return app
+
+
+def deploy(config: ServeConfig, timeout_s: float = 900.0) -> None:
+    """Deploy (or redeploy) the app as a Ray Serve config file would (the way an
+    application-level autoscaling policy is set) and wait until it runs; RuntimeError
+    with the deployments' messages when it fails. Serve must be started."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+    app = ServeApplicationSchema(**serve_application(config))
+    _get_global_client().deploy_apps(ServeDeploySchema(applications=[app]))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        time.sleep(0.5)
+        status = serve.status().applications.get(config.app_name)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            messages = [d.message for d in status.deployments.values() if d.message]
+            raise RuntimeError("\n".join([status.message, *messages]))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the app did not start within {timeout_s:g} s: {status}")

@@ -116,7 +116,7 @@ def serve_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from splitserve.cluster.app import build_app
+    from splitserve.cluster.app import deploy
     from splitserve.cluster.http_front import HAPROXY_ENV, front_environment
     from splitserve.cluster.startup_checks import deployment_failure, fit_to_model
 
@@ -140,7 +140,7 @@ def serve_main(args: argparse.Namespace) -> int:
     serve.start(http_options={"host": config.host, "port": config.port})
     try:
         try:
-            serve.run(build_app(config), name=config.app_name, route_prefix="/")
+            deploy(config)
         except Exception as e:  # a replica failed to start: its cause, once
             cause = deployment_failure(config.app_name, e)
             print(f"splitserve serve: the deployment failed: {cause}", flush=True)
@@ -166,14 +166,14 @@ def scale_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from splitserve.cluster.app import build_app
+    from splitserve.cluster.app import deploy
     from splitserve.cluster.serve_config import ServeConfig
 
     ray.init(address=args.address, namespace=args.app_name, log_to_driver=False)
     values = serve.get_app_handle(args.app_name).get_config.remote().result()
     _resize(values, args)
     config = ServeConfig.from_dict(values)
-    serve.run(build_app(config), name=config.app_name, route_prefix="/")
+    deploy(config)
     sizes = ", ".join(
         f"{name}={p.replicas if not p.autoscaling else f'{p.min_replicas}..{p.max_replicas}'}"
         for name, p in config.pools.items()

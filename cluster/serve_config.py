@@ -2,8 +2,9 @@
 
 YAML files in ``configs/serve/`` hold it; every key is checked and a misspelled
 one is an error naming it (``pools.decode.max_replica``). A pool with
-``min_replicas`` and ``max_replicas`` autoscales (Ray Serve autoscaling with
-the pool's own policy); otherwise it runs ``replicas`` replicas.
+``min_replicas`` and ``max_replicas`` autoscales (one application-level policy
+over every autoscaled pool, ``cluster/autoscaling.py``, set by ``autoscaling`` and
+``slo``); otherwise it runs ``replicas`` replicas.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from splitserve.cluster.autoscaling import ScalingConfig, SloConfig
 from splitserve.cluster.routing import RouterConfig
 from splitserve.config import EngineConfig, known_keys
 
@@ -200,6 +202,8 @@ class ServeConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     ingress: IngressConfig = field(default_factory=IngressConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    autoscaling: ScalingConfig = field(default_factory=ScalingConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     app_name: str = "splitserve"
@@ -212,6 +216,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         self.ingress.check()
         self.http.check()
+        self.autoscaling.check()
+        self.slo.check()
         if self.engine.kv_transfer.auth_key is None:  # one per application, sent to every worker
             self.engine.kv_transfer.auth_key = secrets.token_hex(32)
         unknown = set(self.pools) - set(POOLS)
@@ -249,6 +255,9 @@ class ServeConfig:
             values["ingress"] = IngressConfig(**known_keys(IngressConfig, ingress, "ingress."))
         if "http" in values:
             values["http"] = HttpConfig(**known_keys(HttpConfig, values["http"] or {}, "http."))
+        for key, section in (("autoscaling", ScalingConfig), ("slo", SloConfig)):
+            if key in values:
+                values[key] = section(**known_keys(section, values[key] or {}, f"{key}."))
         if "pools" in values:
             pools = {}
             for name, pool in (values["pools"] or {}).items():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from splitserve.cluster import routing
-from splitserve.cluster.autoscaling import PoolAutoscalingPolicy
 from splitserve.cluster.routing import RouterConfig, WorkerLoad
 from splitserve.cluster.serve_command import default_config_path
 from splitserve.cluster.serve_config import ServeConfig
@@ -57,30 +56,6 @@ def test_replica_ranking_uses_live_load():
     load = WorkerLoad.from_stats(stats)
     assert (load.num_running, load.num_requests, load.kv_usage) == (3, 5, 0.5)
     assert WorkerLoad.from_stats(None) == WorkerLoad()
-
-
-class _Ctx:
-    def __init__(self, metrics, current=1, low=1, high=8):
-        self.aggregated_metrics = metrics
-        self.current_num_replicas = current
-        self.capacity_adjusted_min_replicas = low
-        self.capacity_adjusted_max_replicas = high
-
-
-def test_prefill_pool_scales_on_queued_prompt_tokens():
-    policy = PoolAutoscalingPolicy("prefill", 1000, 32, 0.8)
-    assert policy(_Ctx({"queued_prompt_tokens": {"a": 2500.0, "b": 900.0}}))[0] == 4
-    assert policy(_Ctx({"queued_prompt_tokens": {"a": 0.0}}))[0] == 1  # min_replicas
-    assert policy(_Ctx({"queued_prompt_tokens": {"a": 1e6}}))[0] == 8  # max_replicas
-    assert policy(_Ctx({}, current=3))[0] == 3  # nothing reported yet: hold
-
-
-def test_decode_pool_scales_on_running_requests_and_kv_usage():
-    policy = PoolAutoscalingPolicy("decode", 1000, 32, 0.8)
-    by_requests = {"running_requests": {"a": 60.0, "b": 40.0}, "kv_usage": {"a": 0.1, "b": 0.1}}
-    assert policy(_Ctx(by_requests, current=2))[0] == 4
-    by_kv = {"running_requests": {"a": 2.0, "b": 2.0}, "kv_usage": {"a": 0.95, "b": 0.9}}
-    assert policy(_Ctx(by_kv, current=2))[0] == 3
 
 
 def test_shipped_configs_load():
