@@ -26,6 +26,7 @@ import yaml
 
 TARGETS = ("serve-config", "helm", "ray-up")
 APP_IMPORT_PATH = "splitserve.cluster.app:app_builder"
+ALWAYS_WRITTEN = ("app_name", "host", "port")  # the chart and http_options read them
 POOL_PLACEMENT = ("replicas", "min_replicas", "max_replicas", "num_gpus", "resources")
 
 
@@ -82,11 +83,11 @@ def render(config, args: argparse.Namespace) -> dict[str, Any]:
 
 def app_args(config) -> dict[str, Any]:
     """The serve config as an application's ``args``: what differs from the defaults,
-    and each pool's size, GPUs and resources in full (the Helm chart reads them);
-    never the KV hand-off key."""
+    the HTTP address and each pool's size, GPUs and resources in full (the Helm chart
+    reads them); never the KV hand-off key."""
     from splitserve.cluster.serve_config import PoolConfig, ServeConfig
 
-    args = _changed(config, ServeConfig())
+    args = _changed(config, ServeConfig()) | {k: getattr(config, k) for k in ALWAYS_WRITTEN}
     args.get("engine", {}).get("kv_transfer", {}).pop("auth_key", None)
     args["pools"] = {
         name: {key: getattr(pool, key) for key in POOL_PLACEMENT} | _changed(pool, PoolConfig())

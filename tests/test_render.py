@@ -1,0 +1,102 @@
+"""``splitserve render``: the serve config written as a Ray Serve config file (and Helm
+values) deploys the same serve config ``splitserve serve`` loads."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from splitserve.cluster import render
+from splitserve.cluster.cli import main
+from splitserve.cluster.serve_config import ServeConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "configs" / "serve").rglob("*.yaml"))
+
+
+def _no_key(values: dict) -> dict:
+    values["engine"]["kv_transfer"]["auth_key"] = None
+    return values
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "render", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def _main(capsys, *args: str) -> tuple[int, str]:
+    """``splitserve render ARGS`` in this process: its status and stderr."""
+    try:
+        status = main(["render", *args])
+    except SystemExit as e:  # argparse
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_round_trips_through_its_application_args(path):
+    config = ServeConfig.from_yaml(path)
+    (app,) = render.serve_config_file(config)["applications"]
+    # What the file carries is YAML: write it and read it back, as serve deploy would.
+    args = yaml.safe_load(yaml.safe_dump(app["args"]))
+    assert _no_key(ServeConfig.from_dict(args).to_dict()) == _no_key(config.to_dict())
+
+
+def test_args_hold_changes_pool_placement_and_no_key():
+    config = ServeConfig.from_dict(
+        {
+            "engine": {"kv_transfer": {"max_message_mb": None}, "cache": {"block_size": 32}},
+            "pools": {"prefill": {"resources": {"prefill_gpu": 1}}, "decode": {}},
+            "http": {"proxy": "serve"},
+        }
+    )
+    args = render.app_args(config)
+    assert args["engine"] == {"kv_transfer": {"max_message_mb": None}, "cache": {"block_size": 32}}
+    assert args["http"] == {"proxy": "serve"}
+    assert args["pools"]["prefill"] == {
+        "replicas": 1,
+        "min_replicas": None,
+        "max_replicas": None,
+        "num_gpus": None,
+        "resources": {"prefill_gpu": 1},
+    }
+    assert (args["host"], args["port"], args["app_name"]) == ("127.0.0.1", 8000, "splitserve")
+    assert "router" not in args  # unchanged sections stay out
+    rebuilt = ServeConfig.from_dict(args)
+    assert rebuilt.engine.kv_transfer.max_message_mb is None
+    assert rebuilt.engine.kv_transfer.auth_key != config.engine.kv_transfer.auth_key
+
+
+def test_render_cli_writes_the_serve_config_file(tmp_path, capsys):
+    path = ROOT / "configs" / "serve" / "default.yaml"
+    proc = _cli("--target", "serve-config", str(path))
+    assert proc.returncode == 0, proc.stderr
+    written = yaml.safe_load(proc.stdout)
+    assert written == render.serve_config_file(ServeConfig.from_yaml(path))
+    assert written["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    (app,) = written["applications"]
+    assert (app["name"], app["route_prefix"]) == ("splitserve", "/")
+    assert app["import_path"] == "splitserve.cluster.app:app_builder"
+
+    out = tmp_path / "values.yaml"
+    assert _main(capsys, "--target", "helm", "-o", str(out), str(path))[0] == 0
+    assert yaml.safe_load(out.read_text()) == {"splitserve": app["args"]}
+
+
+def test_bad_render_input_is_refused_with_the_reason(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools:\n  prefill: {resources: {GPU: 1}}\n")
+    status, err = _main(capsys, "--target", "helm", str(bad))
+    assert status == 2 and "bad.yaml: invalid pools.prefill.resources.GPU" in err
+    status, err = _main(capsys, "--target", "yaml", str(bad))
+    assert status == 2 and "invalid choice: 'yaml'" in err
+    with pytest.raises(ValueError, match="invalid --host 'prefill': must be POOL=HOST"):
+        render.parse_hosts(["prefill"])
+    args = argparse.Namespace(target="ray-up", launch=None, provider="azure")
+    with pytest.raises(ValueError, match="unknown provider 'azure'; accepted: local, aws, gcp"):
+        render.render(ServeConfig(), args)
