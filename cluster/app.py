@@ -69,8 +69,7 @@ def ingress_deployment(config: ServeConfig) -> serve.Deployment:
 
 
 def pool_deployment(name: str, pool: PoolConfig, config: ServeConfig) -> serve.Deployment:
-    on_gpu = (config.engine.device or "").startswith("cuda")
-    gpus = pool.num_gpus if pool.num_gpus is not None else (1 if on_gpu else 0)
+    gpus = pool.replica_gpus(config.engine)
     options = dict(
         name=name,
         ray_actor_options={

@@ -91,6 +91,7 @@ class PoolCollector:
                 family.add_metric([pool, worker], stats[key])
             yield family
         yield self._expert_tokens()  # expert parallelism: the load balance
+        yield self._rank_free_blocks()
         for name, (key, help_text) in _POOL_COUNTERS.items():
             family = CounterMetricFamily(name, help_text, labels=["pool"])
             for pool in pools:
@@ -122,6 +123,18 @@ class PoolCollector:
 
     def _sum(self, pool: str, key: str) -> float:
         return sum(stats[key] for p, stats in self.snapshot.values() if p == pool)
+
+    def _rank_free_blocks(self) -> GaugeMetricFamily:
+        """Per replica and expert-parallel rank: free KV blocks (each rank its own cache)."""
+        family = GaugeMetricFamily(
+            "splitserve_kv_free_blocks_per_rank",
+            "Free KV blocks of each expert-parallel rank (splitserve_kv_free_blocks: the sum)",
+            labels=["pool", "replica", "rank"],
+        )
+        for worker, (pool, stats) in sorted(self.snapshot.items()):
+            for rank, free in enumerate(stats.get("rank_free_blocks") or []):
+                family.add_metric([pool, worker, str(rank)], free)
+        return family
 
     def _expert_tokens(self) -> CounterMetricFamily:
         """Per replica, expert-parallel rank and routed expert: (token, expert) pairs."""

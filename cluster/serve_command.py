@@ -118,7 +118,11 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from splitserve.cluster.app import deploy
     from splitserve.cluster.http_front import HAPROXY_ENV, front_environment
-    from splitserve.cluster.startup_checks import deployment_failure, fit_to_model
+    from splitserve.cluster.startup_checks import (
+        check_node_gpus,
+        deployment_failure,
+        fit_to_model,
+    )
 
     started_ray = args.address is None
     run_dir = Path(tempfile.mkdtemp(prefix="splitserve-"))
@@ -137,6 +141,14 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"splitserve: {note}", flush=True)
     os.environ.update(env)  # the Ray instance started here inherits it
     ray.init(address=args.address, namespace=config.app_name, log_to_driver=False)
+    try:
+        check_node_gpus(config, ray.nodes())
+    except ValueError as e:
+        print(f"splitserve serve: {e}", flush=True)
+        if started_ray:
+            ray.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 2
     serve.start(http_options={"host": config.host, "port": config.port})
     try:
         try:

@@ -111,6 +111,14 @@ class PoolConfig:
     def active(self) -> bool:
         return (self.max_replicas or 0) > 0 if self.autoscaling else self.replicas > 0
 
+    def replica_gpus(self, engine: EngineConfig) -> float:
+        """GPUs a replica takes: ``num_gpus``, else on CUDA one per rank of its engine (an
+        expert-parallel group's ranks are processes of the replica, on its GPUs)."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        on_gpu = (engine.device or "").startswith("cuda")
+        return engine.parallel.expert_parallel_size if on_gpu else 0
+
 
 @dataclass
 class IngressConfig:
@@ -227,6 +235,14 @@ class ServeConfig:
             self.pools.setdefault(name, PoolConfig(replicas=0))
             self.pools[name].check(name)
         self.router.check()
+        ep = self.engine.parallel.expert_parallel_size
+        for name, pool in self.pools.items():
+            if ep > 1 and pool.num_gpus is not None and 0 < pool.num_gpus < ep:
+                raise ValueError(
+                    f"invalid pools.{name}.num_gpus={pool.num_gpus}: with "
+                    f"parallel.expert_parallel_size={ep} a replica is a group of {ep} ranks, "
+                    f"one GPU each; set num_gpus to {ep} or leave it out"
+                )
         if not (
             self.pools["mixed"].active
             or (self.pools["prefill"].active and self.pools["decode"].active)

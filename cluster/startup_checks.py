@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from splitserve.cluster.serve_config import ServeConfig
 
 
@@ -31,6 +33,12 @@ def fit_to_model(config: ServeConfig, local: bool = False) -> list[str]:
         resolve_device(engine.device)  # "cuda" on a machine without a GPU
     hf_config, path = load_hf_config(engine.model)
     get_model_class(hf_config.architectures)  # an architecture this server runs
+    ep = engine.parallel.expert_parallel_size
+    if ep > 1:  # E divisible by N; locally, N GPUs on this host (a cluster: check_node_gpus)
+        from splitserve.workers.parallel.group import check_expert_parallel
+
+        device = resolve_device(engine.device) if local else torch.device("cpu")
+        check_expert_parallel(ep, hf_config, device)
     if path is not None:
         load_tokenizer(path)
     if engine.speculative_config is not None:
@@ -54,6 +62,21 @@ def fit_to_model(config: ServeConfig, local: bool = False) -> list[str]:
             "the null page): raise num_kv_blocks or lower scheduler.max_model_len"
         )
     return notes
+
+
+def check_node_gpus(config: ServeConfig, nodes: list[dict]) -> None:
+    """ValueError when a pool's replica needs more GPUs than any one node of the Ray
+    cluster has (``ray.nodes()``): an expert-parallel group's GPUs are one node's."""
+    most = max((n["Resources"].get("GPU", 0) for n in nodes if n["Alive"]), default=0)
+    for name, pool in config.pools.items():
+        gpus = pool.replica_gpus(config.engine)
+        if pool.active and gpus > most:
+            ep = config.engine.parallel.expert_parallel_size
+            raise ValueError(
+                f"a {name} replica needs {gpus:g} GPUs on one node (parallel."
+                f"expert_parallel_size={ep}), but the largest node of the Ray cluster has "
+                f"{most:g}; lower the expert-parallel size or add a node with {gpus:g} GPUs"
+            )
 
 
 def check_mtp_layer(hf_config, path) -> None:

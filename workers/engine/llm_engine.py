@@ -378,7 +378,12 @@ class LLMEngine:
         if self.ep_front is None:
             return self._step()
         self.ep_front.start_step()
-        outputs = self.ep_front.finish_step(self._step())
+        try:
+            outputs = self._step()
+        except Exception as e:  # a collective failed: a rank's process may have ended
+            self.ep_front.check_ranks(e)
+            raise
+        outputs = self.ep_front.finish_step(outputs)
         if not self.has_unfinished_requests():  # the group went idle: every rank's counts
             self.ep_front.refresh_stats()
         return outputs

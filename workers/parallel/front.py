@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import time
 from collections.abc import Callable
 
 import torch
@@ -270,10 +271,22 @@ class GroupFront:
         except (EOFError, OSError) as e:
             self._gone(rank, repr(e))
 
+    def check_ranks(self, error: BaseException, wait_s: float = 1.0) -> None:
+        """After ``error`` in a step (a collective failing): if a rank's process ended,
+        raise that instead (the collective's own error rarely names the rank)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, process in enumerate(self.processes, 1):
+                if rank in self.side.lost or process.exitcode is not None:
+                    self._gone(rank, f"{type(error).__name__}: {error}")
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+
     def _gone(self, rank: int, why: str):
         process = self.processes[rank - 1]
         process.join(1.0)  # its exit code, when it is ending
         raise RuntimeError(
             f"expert-parallel rank {rank} of {self.size} is gone (process {process.pid}, "
-            f"exit code {process.exitcode}): {why}; the group cannot step without it"
+            f"exit code {process.exitcode}); the group cannot step without it ({why})"
         )

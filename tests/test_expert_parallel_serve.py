@@ -1,0 +1,206 @@
+"""Expert parallelism served: ``splitserve serve`` with one EP2 prefill and one EP2 decode
+worker on CPU (each replica an engine process and one more rank process, over gloo).
+
+A transformers-written GLM-4.5 checkpoint (a dense layer, then MoE layers with a shared
+expert and sigmoid noaux_tc routing); one server for the module, tests in file order:
+
+- greedy completions equal transformers' token for token;
+- two streams at once are decoded by the two ranks of the decode group (each rank's
+  own KV blocks in use: the KV went to the rank that decodes); closed by their
+  clients, they leave no KV block held on any rank;
+- ``/metrics`` has tokens per expert for every rank of both pools and free KV blocks
+  per rank;
+- kill -9 of the decode group's rank 1: its streams end at once with an error naming
+  the rank (no hang), the replica is replaced and serves again, nothing leaks.
+(Qwen3-MoE through an EP2 prefill and an EP2 decode engine, a rank each way:
+``test_expert_parallel.py``.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import checkpoints
+from tests.serve_harness import Server, one_prefill_one_decode_config, serving
+from tests.test_engine import NEW_TOKENS, _hf_greedy, _prompts
+
+pytestmark = pytest.mark.slow
+MAX_MODEL_LEN = 256
+NUM_BLOCKS = 64  # a rank's
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return checkpoints.write_glm4_moe(tmp_path_factory.mktemp("glm4-moe-ep-serve"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    config = one_prefill_one_decode_config(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
+    config["engine"]["parallel"] = {"expert_parallel_size": 2}
+    with serving(config, tmp_path_factory.mktemp("serve")) as server:
+        yield server
+
+
+def _body(prompt: list[int], max_tokens: int = NEW_TOKENS) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def _rank_blocks(server: Server, pool: str) -> list[float]:
+    """Free KV blocks of each rank of ``pool``'s (single) replica."""
+    free = {}
+    for name, value in server.metrics().items():
+        m = re.match(rf'splitserve_kv_free_blocks_per_rank\{{pool="{pool}",.*rank="(\d+)"', name)
+        if m:
+            free[int(m.group(1))] = value
+    return [free[r] for r in sorted(free)]
+
+
+def _all_ranks_free(server: Server, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        ranks = {pool: _rank_blocks(server, pool) for pool in ("prefill", "decode")}
+        usable = NUM_BLOCKS - 1  # the null page
+        if all(r == [usable, usable] for r in ranks.values()):
+            return
+        assert time.monotonic() < deadline, f"KV blocks still held per rank: {ranks}"
+        time.sleep(0.2)
+
+
+def test_greedy_completions_equal_transformers(server, model_dir):
+    prompts = _prompts(checkpoints.VOCAB_SIZE, [40, 57, 33, 48], seed=11)
+    results: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        results[i] = server.post("/v1/completions", {**_body(prompts[i]), "return_token_ids": True})
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    got = []
+    for i in range(len(prompts)):
+        status, body = results[i]
+        assert status == 200, body
+        got.append(body["choices"][0]["token_ids"])
+    assert got == _hf_greedy(model_dir, prompts)
+    m = server.metrics_when('splitserve_kv_transfers_total{pool="prefill"}', len(prompts))
+    assert m['splitserve_requests_total{outcome="ok",route="disaggregated"}'] == len(prompts)
+    _all_ranks_free(server)
+
+
+def _open_stream(server: Server, body: dict) -> socket.socket:
+    """A streaming completion on a raw socket, read until its first tokens came."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    payload = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    seen = b""
+    while seen.count(b"data: ") < 2:
+        seen += sock.recv(65536)
+    return sock
+
+
+def test_two_streams_decode_on_both_ranks_and_disconnects_free_every_rank(server):
+    prompts = _prompts(checkpoints.VOCAB_SIZE, [44, 52], seed=12)
+    socks = [_open_stream(server, _body(p, max_tokens=200)) for p in prompts]
+    try:
+        usable = NUM_BLOCKS - 1
+        deadline = time.monotonic() + 10
+        while not all(free < usable for free in _rank_blocks(server, "decode")):
+            assert time.monotonic() < deadline, _rank_blocks(server, "decode")
+            time.sleep(0.05)  # each stream's KV is held by the decode rank it went to
+    finally:
+        for sock in socks:
+            sock.close()
+    _all_ranks_free(server)
+
+
+def test_metrics_show_each_ranks_tokens_per_expert(server):
+    m = server.metrics()
+    for pool in ("prefill", "decode"):
+        per_rank = [0.0, 0.0]
+        for name, value in m.items():
+            hit = re.match(rf'splitserve_expert_tokens_total\{{.*pool="{pool}",.*rank="(\d)"', name)
+            if hit:
+                per_rank[int(hit.group(1))] += value
+        assert all(count > 0 for count in per_rank), (pool, per_rank)
+    assert len(_rank_blocks(server, "decode")) == 2
+
+
+def _rank_pids(engine_pid: int) -> list[int]:
+    """The expert-parallel rank processes an engine process started (spawned children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if ppid == engine_pid and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _engine_pid(server: Server, pool: str) -> int:
+    for name, value in server.metrics().items():
+        if re.match(rf'splitserve_engine_pid\{{pool="{pool}"', name):
+            return int(value)
+    raise AssertionError(f"no {pool} engine in the metrics")
+
+
+def test_killed_rank_ends_its_groups_streams_with_a_clear_error(server):
+    engine_pid = _engine_pid(server, "decode")
+    (rank1,) = _rank_pids(engine_pid)
+    prompts = _prompts(checkpoints.VOCAB_SIZE, [45, 50], seed=13)
+    results: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        body = {**_body(prompts[i], max_tokens=400), "stream": True}
+        results[i] = (*server.request("POST", "/v1/completions", body), time.monotonic())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not all(free < NUM_BLOCKS - 1 for free in _rank_blocks(server, "decode")):
+        assert time.monotonic() < deadline, "the streams did not start decoding"
+        time.sleep(0.05)
+    os.kill(rank1, signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(timeout=60)
+    for i in range(2):
+        status, raw, ended = results[i]
+        assert status == 200
+        assert "expert-parallel rank 1 of 2 is gone" in raw, raw[-400:]
+        assert raw.rstrip().endswith("data: [DONE]")
+        assert ended - killed < 15  # ended by the failure, not by a timeout
+    status, body, deadline = 0, None, time.monotonic() + 120
+    while time.monotonic() < deadline:  # the replica is replaced (its health check failed)
+        try:
+            replaced = _engine_pid(server, "decode") != engine_pid
+        except AssertionError:
+            replaced = False
+        if replaced:
+            status, body = server.post("/v1/completions", _body(prompts[0], max_tokens=8))
+            if status == 200:
+                break
+        time.sleep(1)
+    assert status == 200, body
+    _all_ranks_free(server, timeout=60)
