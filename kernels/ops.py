@@ -88,6 +88,23 @@ def store_kv(
     kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
+def store_kv_fp8(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # float8_e4m3fn NHD [blocks, block_size, heads, dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 skips the row
+    k_scale: torch.Tensor,  # [1] float32, 0 = not calibrated yet; set by the first store
+    v_scale: torch.Tensor,
+    calibrated: bool = False,  # both scales known > 0: skip the amax pass
+) -> None:
+    """``store_kv`` into an FP8 cache, quantized with per-tensor scales (``kv_store.py``)."""
+    kernels = _triton().kv_store if use_triton(k) else kv_store
+    kernels.store_kv_fp8(
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, calibrated=calibrated
+    )
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # [num_tokens] int
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]

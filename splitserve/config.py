@@ -21,6 +21,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 DEVICES = ("cpu", "cuda")
+# cache.kv_cache_dtype -> the KV cache's element type; auto: the model's dtype
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn}
 
 # name -> (meaning, default). The only environment variables splitserve reads.
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -74,14 +76,26 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 0.5  # used when num_kv_blocks is None
     enable_prefix_caching: bool = True
+    # auto: the model's dtype; fp8_e4m3: float8_e4m3fn with a K and a V scale a layer
+    # (half of bf16's bytes: twice the blocks from kv_cache_memory_gb)
+    kv_cache_dtype: str = "auto"
 
     def check(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"invalid cache.kv_cache_dtype={self.kv_cache_dtype!r}: must be one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"invalid block_size={self.block_size}: must be a power of two >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"invalid num_kv_blocks={self.num_kv_blocks}: must be >= 2")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"invalid kv_cache_memory_gb={self.kv_cache_memory_gb}: must be > 0")
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type for a model computing in ``model_dtype``."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
 
 @dataclass

@@ -24,6 +24,16 @@ static buffers (``AttentionKernel.reads_batch_index``).
 
 Otherwise new K/V rows go into the cache with the Triton KV store before attention.
 
+An FP8 KV cache (``float8_e4m3fn``, ``kv_dtype``) is planned with FlashInfer's
+``kv_data_type`` and read by its kernels at half the bytes. FlashInfer's own
+``k_scale`` / ``v_scale`` arguments are host floats (folded into the softmax scale
+and multiplied into the output after the kernel), which a CUDA graph would freeze
+before the first prompt calibrates them; so the backend does the same on the
+device: q times the layer's K scale before the kernel, the output times its V scale
+after. The Triton split-KV kernel takes the scales itself; it stores the new rows
+quantized once the host knows the scales are set (``KVScales.calibrated``), and
+before that the calibrating KV store runs first, as for the other kernels.
+
 Decode CUDA graphs get one decode wrapper per captured size, built over
 static index buffers (``use_cuda_graph=True``); ``prepare_replay`` re-plans
 it with the padded batch, which rewrites those buffers before the replay.
@@ -40,7 +50,7 @@ import numpy as np
 import torch
 
 from splitserve.config import KernelConfig
-from splitserve.kernels.ops import store_kv
+from splitserve.kernels.kv_store import FP8_DTYPE
 from splitserve.kernels.triton.decode_attention import NORM_ROPE_MAX_BATCH, decode_attention
 from splitserve.workers.attention.base import (
     AttentionBackend,
@@ -93,6 +103,7 @@ class SplitKVDecodeMetadata:
 
     block_tables: torch.Tensor  # [batch, blocks] int
     seq_lens: torch.Tensor  # [batch] int
+    stores_new_kv: bool = True  # the kernel stores the new rows (FP8: once calibrated)
 
 
 def tensor_core_decode(num_heads: int, num_kv_heads: int) -> bool:
@@ -137,6 +148,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # Decode batches up to this size run the Triton split-KV kernel; 0: FlashInfer
         # decodes every batch. The engine passes the config's ``kernels.split_kv_max_batch``.
         split_kv_max_batch: int = KernelConfig.split_kv_max_batch,
+        kv_dtype: torch.dtype | None = None,  # the cache's: dtype (default) or FP8
     ):
         import flashinfer
 
@@ -150,7 +162,14 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"flashinfer attention runs float16 or bfloat16, got {dtype}; "
                 "use attention_backend: torch"
             )
+        kv_dtype = kv_dtype or dtype
+        if kv_dtype not in (dtype, FP8_DTYPE):
+            raise ValueError(
+                f"flashinfer attention reads a KV cache in the model's dtype ({dtype}) or "
+                f"{FP8_DTYPE}, got {kv_dtype}"
+            )
         self._flashinfer = flashinfer
+        self.kv_dtype = kv_dtype
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         if decode_tensor_cores is None:
@@ -187,7 +206,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan(self, fb: ForwardBatch) -> None:
         if self._split_kv(fb, fb.num_tokens):
-            fb.attn_metadata = SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor)
+            fb.attn_metadata = _split_kv_metadata(fb)
             return
         index = PagedKVIndex.of(fb)
         if fb.phase == Phase.DECODE:
@@ -231,16 +250,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         meta = forward_batch.attn_metadata
         if not isinstance(meta, SplitKVDecodeMetadata):
             return AttentionKernel()
-        norms_qk = meta.seq_lens.shape[0] <= NORM_ROPE_MAX_BATCH
+        norms_qk = meta.stores_new_kv and meta.seq_lens.shape[0] <= NORM_ROPE_MAX_BATCH
         return AttentionKernel(norms_qk=norms_qk, reads_batch_index=True)
 
     def _split_kv(self, fb: ForwardBatch, batch: int) -> bool:
         """Whether this decode step runs the Triton split-KV kernel (a cache in the model's
-        dtype: the kernel multiplies q by K as stored)."""
+        dtype, or FP8 with its scales)."""
         return (
             fb.phase == Phase.DECODE
             and batch <= self.split_kv_max_batch
-            and fb.kv_cache.layout.dtype == self.dtype
+            and fb.kv_cache.layout.dtype in (self.dtype, FP8_DTYPE)
         )
 
     def _can_run_ragged(self, fb: ForwardBatch) -> bool:
@@ -275,18 +294,30 @@ class FlashInferAttentionBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         norm_rope: QKNormRope | None = None,
     ) -> torch.Tensor:
-        k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
+        kv_cache = forward_batch.kv_cache
+        k_cache, v_cache = kv_cache.layer(layer.layer_id)
+        scales = kv_cache.layer_scales(layer.layer_id)
         meta = forward_batch.attn_metadata
-        if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
+        if isinstance(meta, SplitKVDecodeMetadata):
             new_kv = (k, v, forward_batch.slot_mapping)
+            if not meta.stores_new_kv:  # FP8 before its scales are known: store first
+                if norm_rope is not None:
+                    q, k = norm_rope(q, k)
+                kv_cache.store(layer.layer_id, k, v, forward_batch.slot_mapping)
+                new_kv = norm_rope = None
             return decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale,
                 new_kv=new_kv, norm_rope=None if norm_rope is None else norm_rope.kernel_args(),
+                kv_scales=scales,
             )  # fmt: skip
-        store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
+        kv_cache.store(layer.layer_id, k, v, forward_batch.slot_mapping)
         if meta.ragged:
             return meta.wrapper.run(q, k, v)
-        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))
+        if scales is None:
+            return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))
+        k_scale, v_scale = scales  # on the device: see the module docstring
+        out = meta.wrapper.run((q.float() * k_scale).to(q.dtype), (k_cache, v_cache))
+        return out.mul_(v_scale)
 
     # -- decode CUDA graphs ----------------------------------------------------
 
@@ -318,7 +349,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         fb = forward_batch
         if self._split_kv(fb, num_tokens):
             _write_index(fb)
-            fb.attn_metadata = SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor)
+            fb.attn_metadata = _split_kv_metadata(fb)
             return
         wrapper = self.graph_wrappers[num_tokens]
         with self._planning():
@@ -328,6 +359,14 @@ class FlashInferAttentionBackend(AttentionBackend):
     def clear_graphs(self) -> None:
         self.graph_wrappers = {}
         self._graph_buffers = {}
+
+
+def _split_kv_metadata(fb: ForwardBatch) -> SplitKVDecodeMetadata:
+    """The split-KV kernel stores the new rows itself unless the cache is FP8 with scales
+    the host has not seen set (the calibrating store runs first then)."""
+    scales = fb.kv_cache.scales
+    stores = scales is None or scales.calibrated
+    return SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor, stores)
 
 
 def _write_index(fb: ForwardBatch) -> None:

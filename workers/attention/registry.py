@@ -7,6 +7,7 @@ import logging
 import torch
 
 from splitserve.config import KernelConfig
+from splitserve.kernels.kv_store import FP8_DTYPE
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
 from splitserve.workers.kv.layout import KVLayout
@@ -22,12 +23,16 @@ def make_attention_backend(
     num_heads: int,
     layout: KVLayout,
     kernels: KernelConfig | None = None,
+    dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """``auto``: FlashInfer on a GPU when it serves this shape and dtype, else torch.
     ``num_heads``: query heads; ``layout``: the KV cache the backend reads; ``kernels``:
-    the config's kernel choices (default: ``KernelConfig()``)."""
+    the config's kernel choices (default: ``KernelConfig()``); ``dtype``: the model's
+    (q's) dtype, by default the cache's (an FP8 cache needs it given)."""
     kernels = kernels or KernelConfig()
-    head_dim, dtype = layout.head_dim, layout.dtype
+    head_dim, dtype = layout.head_dim, dtype or layout.dtype
+    if dtype == FP8_DTYPE:
+        raise ValueError("an FP8 KV cache's attention backend needs the model's dtype")
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; accepted: {', '.join(BACKENDS)}")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
@@ -56,4 +61,5 @@ def make_attention_backend(
         dtype,
         device,
         split_kv_max_batch=kernels.split_kv_max_batch,
+        kv_dtype=layout.dtype,
     )

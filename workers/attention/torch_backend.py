@@ -5,6 +5,7 @@ run batched: each request's blocks are gathered into a padded ``[batch,
 max_len]`` view and masked by sequence length. Prefill and mixed steps run per
 request, so a chunk attends its cached prefix plus itself under a causal mask.
 Attention runs in float32 through torch SDPA (grouped-query heads, boolean mask).
+An FP8 cache is read as ``float(q) * scale`` with the layer's K and V scales.
 
 In a decode CUDA graph the gather spans every block a request may own
 (``max_blocks_per_seq``), so the shapes are static; ``prepare_replay`` writes
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from splitserve.kernels.ops import store_kv
+from splitserve.kernels.kv_store import dequantize_fp8
 from splitserve.workers.attention.base import AttentionBackend, AttentionSpec, QKNormRope
+from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
 from splitserve.workers.runner.input_batch import padded_block_tables, to_device
 
@@ -98,14 +100,14 @@ class TorchAttentionBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         norm_rope: QKNormRope | None = None,  # never given: kernel() norms no q/k
     ) -> torch.Tensor:
-        k_cache, v_cache = forward_batch.kv_cache.layer(layer.layer_id)
-        store_kv(k, v, k_cache, v_cache, forward_batch.slot_mapping)
+        kv_cache = forward_batch.kv_cache
+        kv_cache.store(layer.layer_id, k, v, forward_batch.slot_mapping)
         meta: TorchAttentionMetadata = forward_batch.attn_metadata
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [slots, kv_heads, head_dim]
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        read = _KVReader(kv_cache, layer.layer_id)
         if forward_batch.phase == Phase.DECODE:
-            keys, values = flat_k[meta.gather_index], flat_v[meta.gather_index]
-            return _attend(q[:, None], keys, values, meta.key_mask[:, None, :], layer)[:, 0]
+            keys, values = read(meta.gather_index)
+            out = _attend(q[:, None], keys, values, meta.key_mask[:, None, :], layer)[:, 0]
+            return out.to(q.dtype)
         out = torch.empty_like(q)
         for i, (start, end) in enumerate(meta.query_spans):
             seq_len = forward_batch.seq_lens[i]
@@ -113,10 +115,29 @@ class TorchAttentionBackend(AttentionBackend):
             q_len = end - start
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            keys, values = read(index)
             out[start:end] = _attend(
-                q[None, start:end], flat_k[index][None], flat_v[index][None], mask[None], layer
+                q[None, start:end], keys[None], values[None], mask[None], layer
             )[0]
         return out
+
+
+class _KVReader:
+    """A layer's cached K and V at given slots, in float32 for an FP8 cache (``q * scale``)
+    and as stored otherwise."""
+
+    def __init__(self, kv_cache: KVCache, layer_id: int):
+        k_cache, v_cache = kv_cache.layer(layer_id)
+        self.flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [slots, kv_heads, head_dim]
+        self.flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        self.scales = kv_cache.layer_scales(layer_id)
+
+    def __call__(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.flat_k[index], self.flat_v[index]
+        if self.scales is None:
+            return keys, values
+        k_scale, v_scale = self.scales
+        return dequantize_fp8(keys, k_scale), dequantize_fp8(values, v_scale)
 
 
 def _gather_index(
@@ -149,4 +170,4 @@ def _attend(
         scale=layer.scale,
         enable_gqa=True,
     )
-    return out.transpose(1, 2).to(v.dtype)
+    return out.transpose(1, 2).to(q.dtype)

@@ -109,7 +109,8 @@ class LLMEngine:
         self.expert_load = ExpertLoad(model) if member else None
         self.max_model_len = admission.max_model_len(config, self.hf_config)
         self.eos_token_ids = admission.eos_token_ids(self.hf_config, self.tokenizer)
-        kv_layout = model.kv_layout.with_storage(config.cache.block_size, dtype)
+        kv_dtype = config.cache.kv_dtype(dtype)
+        kv_layout = model.kv_layout.with_storage(config.cache.block_size, kv_dtype)
         num_blocks = admission.num_kv_blocks(config, kv_layout, self.max_model_len)
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
         self.block_manager = BlockManager(
@@ -126,6 +127,7 @@ class LLMEngine:
             self.hf_config.num_attention_heads,
             kv_layout,
             config.kernels,
+            dtype,
         )
         speculator = None
         if num_spec:
@@ -137,6 +139,7 @@ class LLMEngine:
                     self.hf_config.num_attention_heads,
                     kv_layout,
                     config.kernels,
+                    dtype,
                 )
             proposer = MTPProposer(model, num_spec, self.kv_cache, backend, graph_backend)
             speculator = Speculator(model, proposer, self.sampler)
@@ -172,7 +175,9 @@ class LLMEngine:
                 kt.transport, self.kv_cache, kt.host, kt.timeout_s, auth_key=kt.auth_key, **options
             )
             num_layers = self.hf_config.num_hidden_layers
-            self.handoff = KVHandoff(transport, self.scheduler, num_layers, drafts=num_spec > 0)
+            self.handoff = KVHandoff(
+                transport, self.scheduler, num_layers, num_spec > 0, self.kv_cache
+            )
         self.async_scheduling = config.scheduler.async_scheduling
         if self.async_scheduling is None:
             self.async_scheduling = self.device.type == "cuda"
@@ -185,7 +190,7 @@ class LLMEngine:
         if self.ep_front is not None:
             self.ep_front.wait_ready()
         logger.info(
-            "%s engine ready: %s on %s, %s attention, %d KV blocks of %d tokens, "
+            "%s engine ready: %s on %s, %s attention, %d KV blocks of %d tokens (%s), "
             "max_model_len %d, CUDA graphs %s",
             self.role,
             config.model,
@@ -193,6 +198,7 @@ class LLMEngine:
             backend.name,
             num_blocks,
             kv_layout.block_size,
+            str(kv_dtype).removeprefix("torch."),
             self.max_model_len,
             "on" if self.runner.graphs is not None else "off",
         )

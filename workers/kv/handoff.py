@@ -23,6 +23,11 @@ after the step is read back.
 Either half ``cancel``s a request's transfer (abort, failure); the transport
 tells the other side.
 
+An FP8 cache's pages travel as they are, and the sender's per-layer scales in the
+done message; the decode side takes them before the request decodes
+(``KVCache.receive_scales``: adopted where it has none, else the arrived rows are
+requantized to its own).
+
 Speculative decoding (MTP): a decode worker that drafts asks for one more layer,
 the MTP layer's prompt KV (the MTP layer's first pass over the prompt on the
 prefill side writes it, fed the prompt shifted by one and the first token), and
@@ -41,8 +46,9 @@ from dataclasses import dataclass, field
 from splitserve.errors import InvalidRequestError
 from splitserve.scheduler.request import Request, RequestStatus
 from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput, will_sample
+from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.kv.transfer.base import CONNECTING, KVTransport
-from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket
+from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket, token_slots
 from splitserve.workers.sampling.sampler import TokenLogprobs
 
 
@@ -73,11 +79,18 @@ HandoffEvent = KVArrived | SendAcked | HandoffFailed
 
 class HandoffScheduler:
     def __init__(
-        self, transport: KVTransport, scheduler: Scheduler, num_layers: int, drafts: bool = False
+        self,
+        transport: KVTransport,
+        scheduler: Scheduler,
+        num_layers: int,
+        drafts: bool = False,
+        kv_cache: KVCache | None = None,
     ):
         """``num_layers``: the model's decoder layers; ``drafts``: this worker drafts with
-        the MTP layer (its KV layer ``num_layers`` travels too)."""
+        the MTP layer (its KV layer ``num_layers`` travels too); ``kv_cache``: the cache
+        the KV arrives in (an FP8 one takes the sender's scales)."""
         self.transport = transport
+        self.kv_cache = kv_cache
         self.scheduler = scheduler
         self.drafts = drafts
         self.num_layers = num_layers + drafts  # layers a ticket of this worker asks for
@@ -163,9 +176,24 @@ class HandoffScheduler:
             elif event.side == "send":
                 events.append(SendAcked(request))
             else:
+                if error := self._receive_scales(request, event.done):
+                    events.append(HandoffFailed(request, error))
+                    continue
                 self.scheduler.kv_arrived(request.request_id, event.done.first_token)
                 events.append(KVArrived(request, event.done))
         return events
+
+    def _receive_scales(self, request: Request, done: TransferDone) -> str | None:
+        """Decode side, FP8: the sender's scales for the arrived rows; why not, or None."""
+        if self.kv_cache is None or not self.kv_cache.is_fp8:
+            return None
+        start, end = request.num_cached_tokens, request.num_prompt_tokens
+        slots = token_slots(request.block_ids, self.kv_cache.block_size, start, end)
+        try:
+            self.kv_cache.receive_scales(done.kv_scales, self.num_layers, slots)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def cancel(self, request_id: str) -> None:
         """Before the request's blocks can be reused: end its transfer on both sides."""
@@ -199,8 +227,9 @@ class StepSends:
 
 
 class HandoffWorker:
-    def __init__(self, transport: KVTransport):
+    def __init__(self, transport: KVTransport, kv_cache: KVCache | None = None):
         self.transport = transport
+        self.kv_cache = kv_cache  # an FP8 one's scales go with the first token
 
     def start_sends(self, batch: SchedulerOutput) -> StepSends:
         """Open the transfers of prompts this step finishes; each layer goes out once the
@@ -229,7 +258,8 @@ class HandoffWorker:
         the last layer."""
         lp, top = (logprobs.logprob, logprobs.top) if logprobs is not None else (None, [])
         rid = request.request_id
-        done = TransferDone(rid, token, lp, top, list(drafts or []))
+        scales = self.kv_cache.scales_to_wire() if self.kv_cache is not None else []
+        done = TransferDone(rid, token, lp, top, list(drafts or []), scales)
         self.transport.finish_send(rid, done)
 
     def _layer_sender(self, request_ids: list[str]) -> Callable[[int], None]:
@@ -246,11 +276,16 @@ class KVHandoff:
     """Both halves over one transport (a prefill or decode worker has one; mixed: none)."""
 
     def __init__(
-        self, transport: KVTransport, scheduler: Scheduler, num_layers: int, drafts: bool = False
+        self,
+        transport: KVTransport,
+        scheduler: Scheduler,
+        num_layers: int,
+        drafts: bool = False,
+        kv_cache: KVCache | None = None,
     ):
         self.transport = transport
-        self.scheduler = HandoffScheduler(transport, scheduler, num_layers, drafts)
-        self.worker = HandoffWorker(transport)
+        self.scheduler = HandoffScheduler(transport, scheduler, num_layers, drafts, kv_cache)
+        self.worker = HandoffWorker(transport, kv_cache)
 
     def close(self) -> None:
         self.transport.close()

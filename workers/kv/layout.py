@@ -54,7 +54,10 @@ class KVLayout:
             if getattr(self, name) != getattr(other, name)
         ]
         if diffs:
-            raise ValueError("KV layouts of the two workers differ: " + "; ".join(diffs))
+            hint = ""
+            if self.dtype != other.dtype:
+                hint = " (both workers need the same dtype and cache.kv_cache_dtype)"
+            raise ValueError("KV layouts of the two workers differ: " + "; ".join(diffs) + hint)
 
     def to_wire(self) -> dict[str, Any]:
         """Plain fields for msgpack: the dtype by name (``"bfloat16"``)."""

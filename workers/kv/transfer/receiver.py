@@ -99,7 +99,10 @@ class Receiver:
                     self.transfers.tracer("arrived", rid, time.perf_counter())
                 top = [tuple(t) for t in header["top_logprobs"]]
                 drafts = list(header.get("draft_token_ids", []))
-                done = TransferDone(rid, header["first_token"], header["logprob"], top, drafts)
+                scales = list(header.get("kv_scales", []))
+                done = TransferDone(
+                    rid, header["first_token"], header["logprob"], top, drafts, scales
+                )
                 self.transfers.add_event(TransferEvent(rid, "recv", True, done=done))
         conn.send(ack)
 

@@ -57,6 +57,7 @@ class TransferDone:
     logprob: float | None = None  # logprobs of the first token, when asked for
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts after the first token
+    kv_scales: list[float] = field(default_factory=list)  # FP8 caches: the sender's K, V scales
 
 
 @dataclass(frozen=True)
