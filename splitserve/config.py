@@ -37,6 +37,17 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "(`--api-key` takes precedence; this over `http.api_key`); empty: no key",
         "",
     ),
+    # Fault injection, for tests that kill a worker in a given phase of a request.
+    "SPLITSERVE_PREFILL_STEP_DELAY_S": (
+        "fault injection for tests: an engine sleeps this long after each step that leaves a "
+        "prompt partly computed, so a long prompt stays mid-prefill; 0: off",
+        "0",
+    ),
+    "SPLITSERVE_KV_LAYER_DELAY_S": (
+        "fault injection for tests: a KV sender waits this long after each layer frame it "
+        "writes (CPU transport), so a hand-off stays mid-transfer; 0: off",
+        "0",
+    ),
 }
 
 

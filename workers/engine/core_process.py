@@ -165,6 +165,8 @@ class EngineCore:
             self.engine.ep_front.notify = self._wakeup.set
         self.listener = FrontListener(start.front_host, start.secret, self._on_front_message)
         self.num_steps = 0
+        # Fault injection (tests): hold a long prompt mid-prefill, see splitserve/config.py.
+        self._prefill_step_delay_s = float(env("SPLITSERVE_PREFILL_STEP_DELAY_S"))
 
     def run(self) -> None:
         threading.Thread(target=self._read_replica, name="engine-control", daemon=True).start()
@@ -176,6 +178,8 @@ class EngineCore:
                 events = [_event_of(output) for output in engine.step()]
                 self.num_steps += 1
                 self._send_events(events)
+                if self._prefill_step_delay_s and _mid_prefill(engine):
+                    time.sleep(self._prefill_step_delay_s)
             if not engine.has_runnable_requests():
                 self._wakeup.wait(IDLE_WAIT_S)  # a command or a transfer event wakes it
                 self._wakeup.clear()
@@ -310,6 +314,11 @@ class EngineCore:
                 raise ConnectionError(f"NCCL rendezvous with {ticket.owner} failed: {result[0]}")
         finally:
             self._rendezvous.pop(call_id, None)
+
+
+def _mid_prefill(engine: LLMEngine) -> bool:
+    """Whether a running request's prompt is partly computed."""
+    return any(0 < r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
 
 
 def _event_of(output: RequestOutput) -> Event:

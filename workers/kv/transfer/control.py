@@ -20,9 +20,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from splitserve.config import env
 from splitserve.workers.kv.transfer.auth import challenge, key_bytes
 from splitserve.workers.kv.transfer.framing import Connection, listen
 
@@ -39,6 +41,8 @@ class Peer:
         self.conn = conn
         self.alive = True
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        # Fault injection (tests): hold a hand-off mid-transfer, see splitserve/config.py.
+        self.layer_delay_s = float(env("SPLITSERVE_KV_LAYER_DELAY_S"))
 
     def post(self, header: dict[str, Any], payload: Any = b"") -> None:
         """Queue a frame; it leaves after every frame posted before it."""
@@ -66,6 +70,8 @@ class Peer:
                 if header is None:
                     break
                 self.conn.send(header, payload)
+                if self.layer_delay_s and header["kind"] == "layer":
+                    time.sleep(self.layer_delay_s)
         except OSError as e:
             on_lost(self, f"connection to decode worker {self.address} failed: {e}")
 
