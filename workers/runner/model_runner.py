@@ -30,6 +30,7 @@ from splitserve.workers.runner.cuda_graphs.decode_runner import DecodeGraphRunne
 from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.cuda_graphs.owner import GraphOwner
 from splitserve.workers.runner.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
+from splitserve.workers.runner.cuda_graphs.roles import DECODE, DRAFT, PIECEWISE, graphs_for
 from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import (
     StepRequest,
@@ -111,17 +112,24 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None  # also registered with graphs
         self.draft_graphs: DraftGraphRunner | None = None  # MTP chained drafts, registered too
         if graph_limits is not None and device.type == "cuda":
-            self.graphs = self._graph_owner(graph_limits)
+            self.graphs = self.graph_owner(graph_limits)
         self._param_shapes: dict[str, torch.Size] = {}
 
-    def _graph_owner(self, limits: GraphLimits) -> GraphOwner:
-        owner = GraphOwner(self.device, self.attn_backend)
+    def graph_owner(self, limits: GraphLimits) -> GraphOwner | None:
+        """The graphs this worker captures (``roles.py``: by its role), registered with one
+        owner; None when there are none."""
+        kinds = graphs_for(limits.role)
+        owner = GraphOwner(self.device, self.attn_backend, limits.role)
+        self.decode_graphs = self.draft_graphs = None
         config = limits.config
         max_blocks = -(-limits.max_model_len // self.kv_cache.block_size)
         # Sizes in tokens: a verify step of every request has 1 + K rows a request.
         rows = limits.max_num_seqs * (1 + self.num_speculative_tokens)
         decode_sizes = [n for n in config.decode_capture_sizes(rows) if n <= rows]
-        if decode_sizes and self.attn_backend.supports_decode_graphs(decode_sizes[-1], max_blocks):
+        fits = decode_sizes and self.attn_backend.supports_decode_graphs(
+            decode_sizes[-1], max_blocks
+        )
+        if DECODE in kinds and fits:
             self.decode_graphs = DecodeGraphRunner(
                 self.model,
                 self.attn_backend,
@@ -132,10 +140,12 @@ class ModelRunner:
                 expert_parallel=self.lockstep is not None,
             )
             owner.register(self.decode_graphs)
-        draft_sizes = [n for n in decode_sizes if n <= limits.max_num_seqs]
-        self._register_draft_graphs(owner, draft_sizes, max_blocks)
+        # The drafter's first pass covers a verify step's rows; its chained steps, one a request.
+        if DRAFT in kinds:
+            self._register_draft_graphs(owner, decode_sizes, max_blocks)
         prefill_sizes = [n for n in config.prefill_sizes if n <= limits.max_num_batched_tokens]
-        if config.piecewise and prefill_sizes and self.lockstep is None:  # EP: eager prefill
+        piecewise = PIECEWISE in kinds and config.piecewise and prefill_sizes
+        if piecewise and self.lockstep is None:  # EP: eager prefill
             owner.register(
                 PiecewiseGraphRunner(
                     self.model, self.attn_backend, self.kv_cache, prefill_sizes, self.device
@@ -219,32 +229,34 @@ class ModelRunner:
 
         A step of decodes and verifies replays the decode graph of its token count: a
         request's ``1 + k`` tokens are ``1 + k`` decode rows over its block table, row
-        ``j`` attending ``j`` more keys (the causal mask of a verify step)."""
+        ``j`` attending ``j`` more keys (the causal mask of a verify step). The drafter's
+        first pass then replays a draft graph over the same rows."""
         rows = decode_rows(steps)
         graphs = self.decode_graphs if on_layer_stored is None else None
+        target: ForwardBatch | list[StepRequest]
         if rows is not None and graphs is not None and graphs.can_run_steps(rows):
             self.capture_graphs()
             hidden, _ = graphs.replay_steps(rows, [-1] * len(rows), None)
-            # The drafter's first pass runs eagerly over the same rows.
-            fb = build_forward_batch(rows, self.kv_cache, self.attn_backend, self.device)
+            target = rows  # the drafter's first pass runs over the same rows
         else:
-            fb = build_forward_batch(
+            target = build_forward_batch(
                 steps, self.kv_cache, self.attn_backend, self.device, plan=False
             )
-            fb.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
-            hidden = self.forward(fb)
+            target.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
+            hidden = self.forward(target)
         # The step's graph decision, made once, goes to the drafter.
         draft_graphs = self.draft_graphs if on_layer_stored is None else None
         if draft_graphs is not None:
             self.capture_graphs()
-        spec = self.speculator.run(fb, hidden, batch.requests, steps, draft_graphs)
+        spec = self.speculator.run(target, hidden, batch.requests, steps, draft_graphs)
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
+        num_tokens = sum(len(s.new_token_ids) for s in steps)
         decode = sum(
             len(s.new_token_ids)
             for s in steps
             if s.num_computed and len(s.new_token_ids) == 1 + s.num_drafts
         )
-        return LaunchedStep(batch, sampling, None, fb.num_tokens - decode, decode, speculative=spec)
+        return LaunchedStep(batch, sampling, None, num_tokens - decode, decode, speculative=spec)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -326,6 +338,7 @@ class GraphLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    role: str = "mixed"  # which graphs the worker's steps can replay (``cuda_graphs/roles.py``)
 
 
 def decode_rows(steps: list[StepRequest]) -> list[StepRequest] | None:

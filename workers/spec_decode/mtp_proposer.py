@@ -63,31 +63,36 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(
         self,
-        fb: ForwardBatch,
+        step: ForwardBatch | list[StepRequest],
         hidden: torch.Tensor,
         next_token_ids: list[int],
         draft_rows: list[int],
         graphs: DraftGraphRunner | None = None,
     ) -> list[list[int]]:
         """Drafts for the requests whose last emitted token sits at ``draft_rows`` of the
-        step ``fb`` (hidden states ``hidden``); ``next_token_ids``: the token after each
-        row. ``graphs``: the step may replay the chained steps from CUDA graphs (the
-        runner's decision for the step). Returns ``K`` drafts per draft row (waits for the
+        target's step (hidden states ``hidden``); ``next_token_ids``: the token after each
+        row. ``step``: the eager batch the target ran, or its decode rows (one a token)
+        when the target replayed a decode graph; ``graphs``: the step may replay the
+        drafter's graphs (the runner's decision for the step): the first pass over decode
+        rows and the chained steps. Returns ``K`` drafts per draft row (waits for the
         device)."""
         device = hidden.device
         ids = to_device(next_token_ids, device)
-        if fb.plan is None:  # the target's step replayed a graph: plan the batch for this pass
-            plan_forward(fb)
-        mtp_hidden = self.model.mtp_forward(ids, fb.positions, hidden, fb)
+        use_graphs = graphs is not None and graphs.can_draft(len(draft_rows))
+        if isinstance(step, list):
+            positions = [r.num_computed for r in step]
+            blocks = [r.block_ids for r in step]
+            mtp_hidden, first = self._first_pass_rows(ids, hidden, positions, blocks, graphs)
+        else:
+            positions, blocks = _rows_at(step, draft_rows)
+            mtp_hidden, first = self._first_pass(ids, hidden, step)
         if not draft_rows:
             return []
         rows = to_device(draft_rows, device)
-        mtp_hidden = mtp_hidden[rows]
-        drafts = [self._greedy(mtp_hidden)]
-        positions = [int(p) for p in fb.positions[rows].tolist()]
-        ends = list(itertools.accumulate(fb.query_lens))
-        blocks = [fb.block_ids[bisect.bisect_right(ends, r)] for r in draft_rows]
-        use_graphs = graphs is not None and graphs.can_draft(len(draft_rows))
+        mtp_hidden, drafts = mtp_hidden[rows], [first[rows]]
+        if isinstance(step, list):
+            positions = [positions[r] for r in draft_rows]
+            blocks = [blocks[r] for r in draft_rows]
         for _ in range(1, self.num_speculative_tokens):
             positions = [p + 1 for p in positions]
             covered, slots = self._chain_slots(positions, blocks)
@@ -100,6 +105,33 @@ class MTPProposer:
             mtp_hidden = self.model.mtp_forward(chain.input_ids, chain.positions, mtp_hidden, chain)
             drafts.append(self._greedy(mtp_hidden))
         return torch.stack(drafts, dim=1).tolist()
+
+    def _first_pass(
+        self, ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over every row of the target's eager step: (hidden, greedy drafts)."""
+        if fb.plan is None:
+            plan_forward(fb)
+        mtp_hidden = self.model.mtp_forward(ids, fb.positions, hidden, fb)
+        return mtp_hidden, self._greedy(mtp_hidden)
+
+    def _first_pass_rows(
+        self,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: list[int],
+        blocks: list[list[int]],
+        graphs: DraftGraphRunner | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first pass over decode rows (a graph-replayed decode or verify step): one
+        draft-graph replay where a graph holds the rows, else eager over the same rows."""
+        if graphs is not None and graphs.can_draft(len(positions)):
+            _, slots = self._chain_slots(positions, blocks)
+            mtp_hidden, draft = graphs.draft(ids, hidden, positions, slots, blocks)
+            return mtp_hidden, draft
+        steps = [StepRequest([0], p, b, sample=True) for p, b in zip(positions, blocks)]
+        fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, hidden.device)
+        return self._first_pass(ids, hidden, fb)
 
     def _greedy(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         return self.model.mtp_compute_logits(mtp_hidden).argmax(dim=-1)
@@ -127,3 +159,14 @@ class MTPProposer:
         if beyond:
             fb.slot_mapping[to_device(beyond, device)] = -1
         return fb
+
+
+def _rows_at(fb: ForwardBatch, rows: list[int]) -> tuple[list[int], list[list[int]]]:
+    """Each row's position and its request's block table, read from the batch's host lists."""
+    ends = list(itertools.accumulate(fb.query_lens))
+    positions, blocks = [], []
+    for r in rows:
+        i = bisect.bisect_right(ends, r)
+        positions.append(fb.seq_lens[i] - (ends[i] - r))
+        blocks.append(fb.block_ids[i])
+    return positions, blocks

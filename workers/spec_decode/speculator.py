@@ -48,13 +48,14 @@ class Speculator:
 
     def run(
         self,
-        fb: ForwardBatch,
+        target: ForwardBatch | list[StepRequest],
         hidden: torch.Tensor,
         requests: list[Request],
         steps: list[StepRequest],
         draft_graphs: DraftGraphRunner | None = None,
     ) -> SpeculativeResult:
-        """Verify or sample, then draft (``draft_graphs``: the step may replay the
+        """Verify or sample, then draft (``target``: the target's eager batch, or its decode
+        rows when it replayed a decode graph; ``draft_graphs``: the step may replay the
         drafter's graphs); waits for the device."""
         starts = [0]
         for s in steps:
@@ -77,7 +78,7 @@ class Speculator:
                 end = step.num_computed + len(ids)
                 following[-1] = request.token_ids_between(end, end + 1)[0]
             next_ids += following
-        drafts = self.proposer.propose(fb, hidden, next_ids, draft_rows, draft_graphs)
+        drafts = self.proposer.propose(target, hidden, next_ids, draft_rows, draft_graphs)
         return SpeculativeResult(
             runs={requests[i].request_id: run for i, run in runs.items()},
             drafts=dict(zip(drafted, drafts)),

@@ -1,8 +1,11 @@
 """The MTP drafter's chained steps replayed from CUDA graphs, one graph per batch size.
 
-A chained draft step is decode-shaped: one row a request, the MTP layer fed the
-previous draft and its own hidden state, then the MTP head's argmax. Each batch
-bucket captures that step; the drafter replays it ``K - 1`` times a step, when the
+A draft step is decode-shaped: one row a token, each attending its own prefix,
+the MTP layer fed a token and a previous hidden state, then the MTP head's argmax.
+Each bucket of rows captures that step. The drafter replays it once over the rows
+of a decode or verify step the target replayed (its first pass: the target's hidden
+states, ``1 + k`` rows a verifying request), then ``K - 1`` times over one row a
+request (its chained steps: the previous draft and its own hidden state), when the
 runner's decision for the step allows graphs (``MTPProposer.propose``'s
 ``graphs``). It registers with the one ``GraphOwner``, so ``clear()`` (before
 weights are freed or reloaded) drops these graphs, their static buffers and the
@@ -144,7 +147,7 @@ class DraftGraphRunner:
         slots: list[int],
         block_ids: list[list[int]],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chained draft step for ``len(positions)`` rows: (MTP hidden, drafts)."""
+        """One draft step for ``len(positions)`` rows: (MTP hidden, drafts)."""
         n = len(positions)
         size = bucket(self.sizes, n)
         captured = self._graphs[size]
