@@ -151,6 +151,7 @@ class LLMEngine:
                 config.scheduler.max_num_seqs,
                 config.scheduler.max_num_batched_tokens,
                 self.max_model_len,
+                self.role,
             )
         self.runner = ModelRunner(
             model,

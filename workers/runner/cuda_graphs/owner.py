@@ -1,8 +1,10 @@
 """One owner for every CUDA graph of a worker.
 
 Decode graphs, piecewise prefill graphs and MTP draft graphs (``draft_runner.py``) register
-here. They share one memory pool and one capture stream, are captured together
-(largest size first, with a progress bar and the memory they took logged) and
+here, those the worker's role can replay (``roles.py``). They share one memory pool and one
+capture stream, are captured together (largest size first, with a progress bar; the log
+line names the role, each runner's sizes and the GPU memory each took, and
+``captured_bytes`` keeps those figures) and
 are dropped together: ``clear()`` runs before weights are freed or reloaded,
 because a graph keeps the addresses of the weights it was captured with. The
 next step that could use a graph captures them again.
@@ -43,9 +45,11 @@ class GraphRunner(Protocol):
 
 
 class GraphOwner:
-    def __init__(self, device: torch.device, attn_backend: AttentionBackend):
+    def __init__(self, device: torch.device, attn_backend: AttentionBackend, role: str = "mixed"):
         self.device = device
         self.attn_backend = attn_backend
+        self.role = role
+        self.captured_bytes: dict[str, int] = {}  # runner name -> GPU memory its capture took
         self.runners: list[GraphRunner] = []
         self.pool: tuple | None = None
         self.stream: torch.cuda.Stream | None = None
@@ -58,21 +62,29 @@ class GraphOwner:
         """Capture every runner's sizes into one pool (largest first)."""
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(self.device)
-        free_before = torch.cuda.mem_get_info(self.device)[0]
-        jobs = [(r, size) for r in self.runners for size in r.capture_sizes()]
-        with tqdm(jobs, desc="Capturing CUDA graphs", unit="graph") as bar:
-            for runner, size in bar:
-                bar.set_postfix_str(f"{runner.name} {size} tokens")
-                runner.capture(size, self)
-        torch.cuda.synchronize(self.device)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        jobs = sum(len(r.capture_sizes()) for r in self.runners)
+        with tqdm(total=jobs, desc="Capturing CUDA graphs", unit="graph") as bar:
+            for runner in self.runners:
+                free_before = torch.cuda.mem_get_info(self.device)[0]
+                for size in runner.capture_sizes():
+                    bar.set_postfix_str(f"{runner.name} {size} tokens")
+                    runner.capture(size, self)
+                    bar.update()
+                torch.cuda.synchronize(self.device)
+                used = free_before - torch.cuda.mem_get_info(self.device)[0]
+                self.captured_bytes[runner.name] = used
         logger.info(
-            "captured %d CUDA graphs (%s) using %.1f MiB",
-            len(jobs),
-            ", ".join(f"{r.name}: {r.capture_sizes()}" for r in self.runners),
-            used / 2**20,
+            "%s worker captured %d CUDA graphs using %.1f MiB: %s",
+            self.role,
+            jobs,
+            sum(self.captured_bytes.values()) / 2**20,
+            "; ".join(self._captured(r) for r in self.runners),
         )
         self.captured = True
+
+    def _captured(self, runner: GraphRunner) -> str:
+        mib = self.captured_bytes[runner.name] / 2**20
+        return f"{runner.name} {sorted(runner.capture_sizes())} {mib:.1f} MiB"
 
     def runner_for(self, forward_batch: ForwardBatch) -> GraphRunner | None:
         return next((r for r in self.runners if r.can_run(forward_batch)), None)
