@@ -116,12 +116,25 @@ def app_builder(args: dict) -> serve.Application:
 def serve_application(config: ServeConfig) -> dict:
     """The app as a Ray Serve config file's application (``ServeApplicationSchema``):
     built by ``app_builder`` from the serve config, and, when a pool autoscales, the
-    application-level autoscaling policy over the autoscaled pools (``GoodputPolicy``)."""
+    application-level autoscaling policy over the autoscaled pools (``GoodputPolicy``).
+
+    A fixed pool's size is a deployment option of the file, not part of ``args`` (they
+    hold 1 for it): a change of ``args`` restarts every replica, a change of
+    ``num_replicas`` alone resizes the pool in place (``splitserve scale``)."""
+    args = config.to_dict()
+    sizes = [
+        {"name": name, "num_replicas": pool.replicas}
+        for name, pool in config.pools.items()
+        if pool.active and not pool.autoscaling
+    ]
+    for size in sizes:
+        args["pools"][size["name"]]["replicas"] = 1
     app = {
         "name": config.app_name,
         "route_prefix": "/",
         "import_path": "splitserve.cluster.app:app_builder",
-        "args": config.to_dict(),
+        "args": args,
+        "deployments": sizes,
     }
     pools = {n: limits_of(p) for n, p in config.pools.items() if p.active and p.autoscaling}
     if pools:
@@ -151,3 +164,15 @@ def deploy(config: ServeConfig, timeout_s: float = 900.0) -> None:
             raise RuntimeError("\n".join([status.message, *messages]))
         if time.monotonic() > deadline:
             raise RuntimeError(f"the app did not start within {timeout_s:g} s: {status}")
+
+
+def deployed_pool_sizes(app_name: str) -> dict[str, int]:
+    """The replicas each pool of the running app is asked for (Ray Serve's targets)."""
+    from ray.serve.context import _get_global_client
+
+    details = _get_global_client().get_serve_details()["applications"][app_name]
+    return {
+        name: d["target_num_replicas"]
+        for name, d in details["deployments"].items()
+        if name in POOLS
+    }

@@ -12,8 +12,11 @@ its cause and status 1. With no arguments it serves
 ``configs/serve/default.yaml``: the tiny preset on CPU, one prefill and one
 decode worker, on 127.0.0.1:8000.
 
-``scale`` joins the running cluster, reads the app's config from the ingress,
-changes the pool sizes, and redeploys; Ray Serve resizes the pools in place.
+``scale`` joins the running cluster, reads the app's config from the ingress and
+the pools' sizes from Ray Serve, changes the sizes, and redeploys; a fixed pool
+that keeps some replicas is resized in place (the others keep running), a pool
+that appears, goes or changes between fixed and autoscaled restarts the app's
+replicas.
 """
 
 from __future__ import annotations
@@ -178,11 +181,15 @@ def scale_main(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from splitserve.cluster.app import deploy
+    from splitserve.cluster.app import deploy, deployed_pool_sizes
     from splitserve.cluster.serve_config import ServeConfig
 
     ray.init(address=args.address, namespace=args.app_name, log_to_driver=False)
     values = serve.get_app_handle(args.app_name).get_config.remote().result()
+    for name, replicas in deployed_pool_sizes(args.app_name).items():
+        pool = values["pools"][name]
+        if pool["min_replicas"] is None and pool["max_replicas"] is None:
+            pool["replicas"] = replicas  # the ingress's copy holds 1 (serve_application)
     _resize(values, args)
     config = ServeConfig.from_dict(values)
     deploy(config)
