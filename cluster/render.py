@@ -4,10 +4,10 @@ The serve config (``configs/serve/*.yaml``) is the single source; a pool's size,
 GPUs, custom resources and autoscaling bounds are written there once.
 
 - ``--target serve-config``: a Ray Serve config file (``serve deploy``; KubeRay's
-  ``serveConfigV2``) whose one application is the serve config itself, built by
-  ``splitserve.cluster.app:app_builder``, so it deploys what ``splitserve serve`` does;
-- ``--target helm``: values for the ``helm/splitserve`` chart: the serve config under
-  ``splitserve``; the chart derives the worker groups and ``serveConfigV2`` from it;
+  ``serveConfigV2``) whose one application is the one ``splitserve serve`` deploys:
+  built by ``splitserve.cluster.app:app_builder`` with the serve config as its args;
+- ``--target helm``: values for the ``helm/splitserve`` chart: that application under
+  ``application``; the chart derives the worker groups and ``serveConfigV2`` from it;
 - ``--target ray-up``: a cluster-launcher YAML (``ray_up.py``).
 
 The application's KV hand-off key (``engine.kv_transfer.auth_key``) is never written:
@@ -25,7 +25,6 @@ from typing import Any
 import yaml
 
 TARGETS = ("serve-config", "helm", "ray-up")
-APP_IMPORT_PATH = "splitserve.cluster.app:app_builder"
 ALWAYS_WRITTEN = ("app_name", "host", "port")  # the chart and http_options read them
 POOL_PLACEMENT = ("replicas", "min_replicas", "max_replicas", "num_gpus", "resources")
 
@@ -111,23 +110,27 @@ def _changed(values, defaults) -> dict[str, Any]:
     return out
 
 
+def application(config) -> dict[str, Any]:
+    """The application ``splitserve serve`` deploys (``app.serve_application``: the
+    builder, deployment options, autoscaling policy), its ``args`` as ``app_args``."""
+    from splitserve.cluster.app import serve_application
+    from splitserve.cluster.serve_config import ServeConfig
+
+    app = serve_application(config)
+    app["args"] = app_args(ServeConfig.from_dict(app["args"]))
+    return app
+
+
 def serve_config_file(config) -> dict[str, Any]:
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": config.host, "port": config.port},
-        "applications": [
-            {
-                "name": config.app_name,
-                "route_prefix": "/",
-                "import_path": APP_IMPORT_PATH,
-                "args": app_args(config),
-            }
-        ],
+        "applications": [application(config)],
     }
 
 
 def helm_values(config) -> dict[str, Any]:
-    return {"splitserve": app_args(config)}
+    return {"application": application(config)}
 
 
 def parse_hosts(specs: list[str]) -> dict[str, list[str]]:

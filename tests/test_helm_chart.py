@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from splitserve.cluster import render
+from splitserve.cluster.app import serve_application
 from splitserve.cluster.serve_command import load_config
 from splitserve.cluster.serve_config import ServeConfig
 
@@ -126,17 +127,23 @@ def test_sizes_and_gpus_come_from_the_serve_config(tmp_path, helm):
     values = yaml.safe_load(GPU_CLUSTER.read_text())
     values["pools"] = {
         "prefill": {"replicas": 0},
-        "decode": {"replicas": 0},
+        "decode": {"replicas": 3, "num_gpus": 0.5, "resources": {"decode_gpu": 0.5}},
         "mixed": {"min_replicas": 0, "max_replicas": 3, "num_gpus": 2},
     }
     values["http"] = {"proxy": "serve"}
     service = _template(helm, "-f", str(_values(tmp_path, ServeConfig.from_dict(values))))
-    (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    assert group["groupName"] == "mixed" and group["rayStartParams"] == {}
-    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (0, 0, 3)
-    container = group["template"]["spec"]["containers"][0]
+    groups = {g["groupName"]: g for g in service["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert set(groups) == {"decode", "mixed"}
+    mixed, decode = groups["mixed"], groups["decode"]
+    assert mixed["rayStartParams"] == {}
+    assert (mixed["replicas"], mixed["minReplicas"], mixed["maxReplicas"]) == (0, 0, 3)
+    container = mixed["template"]["spec"]["containers"][0]
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 2
     assert "env" not in container  # http.proxy: serve needs no HAProxy
+    assert (decode["replicas"], decode["minReplicas"], decode["maxReplicas"]) == (3, 3, 3)
+    assert decode["rayStartParams"]["resources"] == '"{\\"decode_gpu\\":0.5}"'
+    limits = decode["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 1  # a pod holds whole GPUs
 
 
 def test_a_serve_config_on_loopback_is_refused(tmp_path, helm):
@@ -147,7 +154,7 @@ def test_a_serve_config_on_loopback_is_refused(tmp_path, helm):
         text=True,
     )
     assert proc.returncode == 1
-    assert "splitserve.host is 127.0.0.1: a pod serves on 0.0.0.0" in proc.stderr
+    assert "the serve config's host is 127.0.0.1: a pod serves on 0.0.0.0" in proc.stderr
 
 
 def test_the_chart_deploys_what_the_cli_deploys(tmp_path, helm):
@@ -169,15 +176,20 @@ def test_the_chart_deploys_what_the_cli_deploys(tmp_path, helm):
     service = _template(helm, "-f", str(_values(tmp_path, cli)))
     deployed = yaml.safe_load(service["spec"]["serveConfigV2"])
     assert deployed == render.serve_config_file(cli)
+    assert deployed["http_options"] == {"host": "0.0.0.0", "port": 8000}
     (app,) = deployed["applications"]
+    cli_app = serve_application(cli)
     assert app["import_path"] == "splitserve.cluster.app:app_builder"
+    assert app["autoscaling_policy"]["policy_kwargs"]["pools"]["prefill"]["max_replicas"] == 4
+    assert {**app, "args": None} == {**cli_app, "args": None}
     assert "auth_key" not in app["args"]["engine"].get("kv_transfer", {})
     from_chart = ServeConfig.from_dict(app["args"])
     assert from_chart.engine.kv_transfer.auth_key  # each deployment makes its own
-    assert _no_key(from_chart.to_dict()) == _no_key(cli.to_dict())
+    from_cli = ServeConfig.from_dict(cli_app["args"])
+    assert _no_key(from_chart.to_dict()) == _no_key(from_cli.to_dict())
 
 
 def test_the_charts_default_serve_config_is_the_render_of_gpu_cluster():
     shipped = yaml.safe_load((CHART / "serve-values.yaml").read_text())
     assert shipped == render.helm_values(ServeConfig.from_yaml(GPU_CLUSTER))
-    assert "splitserve" not in yaml.safe_load((CHART / "values.yaml").read_text())
+    assert "application" not in yaml.safe_load((CHART / "values.yaml").read_text())

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from splitserve.cluster import render
+from splitserve.cluster.app import serve_application
 from splitserve.cluster.cli import main
 from splitserve.cluster.serve_config import ServeConfig
 
@@ -39,12 +40,15 @@ def _main(capsys, *args: str) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_every_shipped_config_round_trips_through_its_application_args(path):
+def test_every_shipped_config_renders_the_application_the_cli_deploys(path):
     config = ServeConfig.from_yaml(path)
     (app,) = render.serve_config_file(config)["applications"]
     # What the file carries is YAML: write it and read it back, as serve deploy would.
-    args = yaml.safe_load(yaml.safe_dump(app["args"]))
-    assert _no_key(ServeConfig.from_dict(args).to_dict()) == _no_key(config.to_dict())
+    app = yaml.safe_load(yaml.safe_dump(app))
+    cli = serve_application(config)  # what splitserve serve and scale deploy
+    assert {**app, "args": None} == yaml.safe_load(yaml.safe_dump({**cli, "args": None}))
+    rendered = ServeConfig.from_dict(app["args"]).to_dict()
+    assert _no_key(rendered) == _no_key(ServeConfig.from_dict(cli["args"]).to_dict())
 
 
 def test_args_hold_changes_pool_placement_and_no_key():
@@ -85,7 +89,7 @@ def test_render_cli_writes_the_serve_config_file(tmp_path, capsys):
 
     out = tmp_path / "values.yaml"
     assert _main(capsys, "--target", "helm", "-o", str(out), str(path))[0] == 0
-    assert yaml.safe_load(out.read_text()) == {"splitserve": app["args"]}
+    assert yaml.safe_load(out.read_text()) == {"application": app}
 
 
 def test_bad_render_input_is_refused_with_the_reason(tmp_path, capsys):
