@@ -7,7 +7,8 @@ The model has GLM-4.5-Air's shape with random bf16 weights (``load_format: dummy
 hidden 4096, 96 query and 8 KV heads of 128, 128 routed experts (top 8) and a shared
 one, vocab 151,552, one MTP layer; but 8 decoder layers instead of 46, so that one
 80 GB GPU holds it (about 43 GB). Every step runs through ``LLMEngine.step`` with CUDA
-graphs on (decode graphs, piecewise verify steps, the drafter's chained-step graphs).
+graphs on (decode graphs for decode and verify steps, the drafter's graphs for its first pass
+and chained steps).
 
 Random weights make the drafter almost never right, so acceptance is set, honestly
 labelled: with ``alpha``, each drafted token is replaced by the target's own next token
@@ -19,6 +20,17 @@ drafter's own acceptance. Every row, table and JSON says which.
 Per (K, batch, alpha): ``batch`` requests of ``--prompt-len`` random tokens are
 prefilled, 3 steps warm up, then ``--steps`` steps are timed; tokens/s counts every
 token the requests emitted in them. The speedup is against K = 0 at the same batch.
+Each (K, batch) first runs once untimed (graph capture, kernel compiles).
+
+The floor: the bytes a step must read (``step_floor_bytes``: weights, the experts
+its tokens route to, the KV once) over the copy bandwidth measured in the same run,
+for the tokens the step emitted. Dummy weights route uniformly at random, so a step
+of ``t`` tokens touches ``E (1 - (1 - k/E)^t)`` experts a layer: a verify step of
+``1 + K`` tokens a request reads up to ``1 + K`` times the experts of a decode step,
+and the MTP layer (a MoE layer with its own 1.2 GB vocabulary head) runs ``K``
+times. ``bound`` is the floor's speedup: the most any implementation could reach
+at this acceptance under random routing (real routers pick correlated experts for
+neighbouring tokens, which lowers a verify step's bytes).
 """
 
 from __future__ import annotations
@@ -35,7 +47,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline import command_line, environment, print_table, write_report  # noqa: E402
+from roofline import (  # noqa: E402
+    command_line,
+    copy_bandwidth_gbps,
+    environment,
+    print_table,
+    write_report,
+)
 
 from splitserve.config import (  # noqa: E402
     CacheConfig,
@@ -79,6 +97,41 @@ GLM_45_AIR_SHAPE = {
     "pad_token_id": 151329,
 }
 WARMUP_STEPS = 3
+
+
+def expected_experts(shape: dict, tokens: int) -> float:
+    """Distinct routed experts ``tokens`` tokens touch in one layer, routing uniformly."""
+    e, k = shape["n_routed_experts"], shape["num_experts_per_tok"]
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def layer_bytes(shape: dict, tokens: int, dense: bool, width: int = 2) -> float:
+    """Weight bytes one decoder layer reads for a step of ``tokens`` tokens."""
+    h, d = shape["hidden_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    attention = h * (q + 2 * kv) + q * h
+    if dense:
+        return width * (attention + 3 * h * shape["intermediate_size"])
+    expert = 3 * h * shape["moe_intermediate_size"]
+    experts = shape["n_shared_experts"] + expected_experts(shape, tokens)
+    return width * (attention + experts * expert + h * shape["n_routed_experts"])
+
+
+def step_floor_bytes(shape: dict, batch: int, k: int, context: int, width: int = 2) -> float:
+    """Bytes a step of ``batch`` requests must read: the target over ``batch (1 + k)``
+    tokens, the KV of ``context`` tokens a request once, the MTP layer's first pass over
+    the same tokens and its ``k - 1`` chained passes over ``batch`` tokens."""
+    h, n = shape["hidden_size"], shape["num_hidden_layers"]
+    head = width * h * shape["vocab_size"]
+    kv_token = width * 2 * shape["num_key_value_heads"] * shape["head_dim"]
+    tokens = batch * (1 + k)
+    dense = shape["first_k_dense_replace"]
+    target = sum(layer_bytes(shape, tokens, i < dense) for i in range(n)) + head
+    total = target + batch * context * kv_token * n
+    if k:
+        mtp = lambda t: width * 2 * h * h + layer_bytes(shape, t, False) + head  # noqa: E731
+        total += mtp(tokens) + (k - 1) * mtp(batch) + batch * context * kv_token * k
+    return total
 
 
 def model_dir() -> Path:
@@ -161,6 +214,12 @@ def time_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> d
     }
 
 
+def acceptance_label(alpha: str, k: int) -> str:
+    if k == 0:
+        return "none"
+    return "real (random drafter)" if alpha == "real" else f"simulated alpha={alpha}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -174,28 +233,55 @@ def main() -> None:
     args = parser.parse_args()
     path = model_dir()
     max_model_len = args.prompt_len + (args.steps + WARMUP_STEPS + 4) * (max(args.ks) + 1)
-    rows, baseline = [], {}
+    bandwidth = copy_bandwidth_gbps("cuda") * 1e9
+    rows, baseline, floor_baseline = [], {}, {}
     for k in sorted(args.ks):
         engine = make_engine(path, k, max(args.batches), max_model_len)
+        warmed: set[int] = set()
         for alpha in ["-"] if k == 0 else args.alphas:
             if k:
                 simulate_acceptance(engine, None if alpha == "real" else float(alpha))
             for batch in args.batches:
+                if batch not in warmed:  # graph capture and kernel compiles, untimed
+                    time_decode(engine, batch, args.prompt_len, WARMUP_STEPS)
+                    warmed.add(batch)
                 result = time_decode(engine, batch, args.prompt_len, args.steps)
+                context = args.prompt_len + (WARMUP_STEPS + args.steps // 2) * (k + 1)
+                floor_s = step_floor_bytes(GLM_45_AIR_SHAPE, batch, k, context) / bandwidth
+                floor_tok_s = result["tokens_per_request_step"] * batch / floor_s
                 if k == 0:
-                    baseline[batch] = result["tok_per_s"]
-                speedup = result["tok_per_s"] / baseline[batch] if batch in baseline else None
-                acceptance = "none" if k == 0 else f"simulated alpha={alpha}"
-                if alpha == "real":
-                    acceptance = "real (random drafter)"
+                    baseline[batch], floor_baseline[batch] = result["tok_per_s"], floor_tok_s
+                step_s = result["seconds"] / args.steps
                 rows.append(
-                    {"k": k, "batch": batch, "acceptance": acceptance, "speedup": speedup, **result}
+                    {
+                        "k": k,
+                        "batch": batch,
+                        "acceptance": acceptance_label(alpha, k),
+                        "speedup": result["tok_per_s"] / baseline[batch],
+                        "step_ms": 1e3 * step_s,
+                        "floor_step_ms": 1e3 * floor_s,
+                        "vs_floor": step_s / floor_s,
+                        "bound": floor_tok_s / floor_baseline[batch],
+                        **result,
+                    }
                 )
                 print(rows[-1], flush=True)
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    columns = ["K", "batch", "acceptance", "accept rate", "tokens/req/step", "tok/s", "speedup"]
+    columns = [
+        "K",
+        "batch",
+        "acceptance",
+        "accept rate",
+        "tokens/req/step",
+        "ms/step",
+        "floor ms",
+        "vs floor",
+        "tok/s",
+        "speedup",
+        "bound",
+    ]
     print_table(
         columns,
         [
@@ -205,19 +291,26 @@ def main() -> None:
                 r["acceptance"],
                 r["acceptance_rate"],
                 r["tokens_per_request_step"],
+                r["step_ms"],
+                r["floor_step_ms"],
+                r["vs_floor"],
                 r["tok_per_s"],
                 r["speedup"],
+                r["bound"],
             ]
             for r in rows
         ],
     )
     print("acceptance marked 'simulated': drafts replaced by the target's token with prob alpha")
+    print(f"floor: bytes a step must read / {bandwidth / 1e9:.0f} GB/s (copy, measured); bound:")
+    print("the floor's speedup over K = 0 (random routing: a verify step touches more experts)")
     if args.json:
         payload = {
             "environment": environment(command_line("spec_decode.py")),
             "model": GLM_45_AIR_SHAPE,
             "acceptance_note": "simulated: each draft replaced by the target's own next token "
             "with probability alpha at verification; forwards at full cost",
+            "copy_bandwidth_gbps": bandwidth / 1e9,
             "rows": rows,
         }
         write_report(args.json, payload)
