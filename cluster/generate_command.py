@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from splitserve.config import DEVICES, DTYPES, speculative_config_from_json
+from splitserve.config import DEVICES, DTYPES, KV_CACHE_DTYPES, speculative_config_from_json
 from splitserve.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = ["The capital of France is", "Prefill computes the prompt; decode"]
@@ -28,6 +28,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(DTYPES)}")
     p.add_argument("--device", default=None, help=f"one of {', '.join(DEVICES)} (default: auto)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help=f"one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype; fp8_e4m3 halves "
+        "the KV bytes of bf16)",
+    )
     p.add_argument(
         "--expert-parallel-size",
         type=int,
@@ -74,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             args.model,
             dtype=args.dtype,
             device=args.device,
+            kv_cache_dtype=args.kv_cache_dtype,
             speculative_config=spec,
             expert_parallel_size=args.expert_parallel_size,
         )

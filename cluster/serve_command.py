@@ -52,6 +52,11 @@ def add_parsers(commands) -> None:
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--device", choices=("cpu", "cuda"), help="where the workers run")
     p.add_argument(
+        "--kv-cache-dtype",
+        help="the workers' KV cache: auto (the model's dtype) or fp8_e4m3 "
+        "(cache.kv_cache_dtype; every pool, so prefill and decode agree)",
+    )
+    p.add_argument(
         "--expert-parallel-size",
         type=int,
         metavar="N",
@@ -89,6 +94,8 @@ def load_config(args: argparse.Namespace):
         values["engine"]["speculative_config"] = speculative_config_from_json(
             args.speculative_config
         )
+    if getattr(args, "kv_cache_dtype", None):
+        values["engine"]["cache"]["kv_cache_dtype"] = args.kv_cache_dtype
     if args.device:
         values["engine"]["device"] = args.device
         if args.device == "cpu":

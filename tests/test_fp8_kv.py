@@ -242,3 +242,36 @@ def test_config_errors_name_the_key_and_the_choices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(RuntimeError, match=r"capability >= 8.9.*A100"):
         KVCache(layout, 4, "cuda")
+
+
+def test_generate_and_serve_take_kv_cache_dtype(qwen3):
+    import argparse
+    import json
+    import subprocess
+    import sys
+
+    from splitserve.cluster.serve_command import add_parsers, load_config
+
+    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "generate", "--model", str(qwen3)]
+    args = ["--prompt", "the cache", "--max-tokens", "6", "--temperature", "0", "--json"]
+    proc = subprocess.run(
+        [*cmd, *args, "--kv-cache-dtype", "fp8_e4m3", "--ignore-eos"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (record,) = [json.loads(line) for line in proc.stdout.splitlines()]
+    llm = LLM(str(qwen3), kv_cache_dtype="fp8_e4m3")
+    prompt = llm.tokenizer.encode("the cache")
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert record["token_ids"] == generate(llm, [prompt], greedy)[0]
+    bad = subprocess.run([*cmd, *args, "--kv-cache-dtype", "fp8"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "kv_cache_dtype='fp8'" in bad.stderr, bad.stderr
+
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers())
+    config = load_config(parser.parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3"]))
+    assert config.engine.cache.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValueError, match="must be one of auto, fp8_e4m3"):
+        load_config(parser.parse_args(["serve", "--kv-cache-dtype", "e5m2"]))
