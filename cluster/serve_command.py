@@ -128,6 +128,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
     from splitserve.cluster.app import deploy
     from splitserve.cluster.http_front import HAPROXY_ENV, front_environment
+    from splitserve.cluster.ray_up import single_node_resources
     from splitserve.cluster.startup_checks import (
         check_node_gpus,
         deployment_failure,
@@ -150,7 +151,11 @@ def serve_main(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"splitserve: {note}", flush=True)
     os.environ.update(env)  # the Ray instance started here inherits it
-    ray.init(address=args.address, namespace=config.app_name, log_to_driver=False)
+    # A Ray started here offers the pools' custom resources (pools.<pool>.resources).
+    resources = single_node_resources(config) if started_ray else None
+    ray.init(
+        address=args.address, namespace=config.app_name, log_to_driver=False, resources=resources
+    )
     try:
         check_node_gpus(config, ray.nodes())
     except ValueError as e:
