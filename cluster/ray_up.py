@@ -100,6 +100,17 @@ def replica_bounds(pool: PoolConfig) -> tuple[int, int]:
     return pool.replicas, pool.replicas
 
 
+def single_node_resources(config: ServeConfig) -> dict[str, float]:
+    """The custom resources of every pool at its largest: what a Ray instance that
+    ``splitserve serve`` starts on one machine offers, so that a config made for a
+    cluster (``resources: {prefill_gpu: 1}``) also runs there."""
+    offer: dict[str, float] = {}
+    for pool in _active_pools(config).values():
+        for key, amount in pool.resources.items():
+            offer[key] = offer.get(key, 0) + amount * replica_bounds(pool)[1]
+    return offer
+
+
 def _active_pools(config: ServeConfig) -> dict[str, PoolConfig]:
     return {name: config.pools[name] for name in POOLS if config.pools[name].active}
 

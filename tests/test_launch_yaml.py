@@ -152,3 +152,11 @@ def test_render_cli_writes_a_valid_launch_yaml(tmp_path, capsys):
     assert _validate(yaml.safe_load(out.read_text()))["provider"]["type"] == "gcp"
     assert main(["render", "--target", "ray-up", "--provider", "local", str(GPU_CLUSTER)]) == 2
     assert "needs --head-ip HOST" in capsys.readouterr().err
+
+
+def test_a_ray_started_by_serve_offers_every_pool_at_its_largest():
+    config = ServeConfig.from_yaml(GPU_CLUSTER)  # 1..4 replicas of one unit each
+    assert ray_up.single_node_resources(config) == {"prefill_gpu": 4, "decode_gpu": 4}
+    values = {"pools": {"prefill": {"replicas": 0}, "decode": {"replicas": 0}}}
+    values["pools"]["mixed"] = {"replicas": 2, "resources": {"any_gpu": 0.5}}
+    assert ray_up.single_node_resources(ServeConfig.from_dict(values)) == {"any_gpu": 1.0}
