@@ -107,7 +107,7 @@ def test_graphs_with_mtp_equal_eager(drafter, k):
     verify_replays = _count_verify_replays(graphed)
     assert _run(graphed) == expected
     assert graphed.spec_stats.num_accepted_tokens > 0
-    assert (replays[0] > 0) == (k > 1)  # K = 1 drafts in the first pass alone
+    assert replays[0] > 0  # the first pass over graph-replayed rows (and K > 1's chain)
     assert verify_replays[0] > 0  # verify steps ran as decode rows in the decode graphs
     blocks = graphed.block_manager
     assert blocks.num_free_blocks == blocks.num_usable_blocks
