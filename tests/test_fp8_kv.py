@@ -275,3 +275,32 @@ def test_generate_and_serve_take_kv_cache_dtype(qwen3):
     assert config.engine.cache.kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="must be one of auto, fp8_e4m3"):
         load_config(parser.parse_args(["serve", "--kv-cache-dtype", "e5m2"]))
+
+
+def test_scales_from_the_checkpoint_are_fixed_from_the_start(tmp_path):
+    """Per-tensor k_scale / v_scale in the checkpoint (vLLM's names) are the cache's scales
+    before any prompt and stay; a layer without them is calibrated by its first store."""
+    path = checkpoints.write_qwen3(tmp_path / "qwen3")
+    scales = {
+        "model.layers.0.self_attn.k_scale": 0.03,
+        "model.layers.0.self_attn.v_scale": 0.02,
+        "model.layers.1.self_attn.attn.k_scale": 0.04,
+        "model.layers.1.self_attn.attn.v_scale": 0.01,
+    }
+    checkpoints.append_shard(
+        path, "kv_scales.safetensors", {k: torch.tensor(v) for k, v in scales.items()}
+    )
+    llm = _llm(path, "fp8_e4m3")
+    k, v = llm.engine.kv_cache.scales.on_host()
+    assert k[:2] == pytest.approx([0.03, 0.04]) and v[:2] == pytest.approx([0.02, 0.01])
+    assert k[2] == v[2] == 0.0  # layer 2: none in the checkpoint
+    generate(llm, prompt_set((9, 20)))
+    after = llm.engine.kv_cache.scales.on_host()
+    assert after[0][:2] == k[:2] and after[1][:2] == v[:2] and after[0][2] > 0 < after[1][2]
+    assert generate(_llm(path, "auto"), prompt_set((9,)))  # a bf16/f32 cache ignores them
+
+    checkpoints.append_shard(
+        path, "bad.safetensors", {"model.layers.2.self_attn.k_scale": torch.ones(2)}
+    )
+    with pytest.raises(ValueError, match=r"layers.2.self_attn.k_scale must be one positive number"):
+        _llm(path, "fp8_e4m3")

@@ -43,10 +43,16 @@ from splitserve.workers.kv.handoff import (
     SendAcked,
     StepSends,
 )
+from splitserve.workers.kv.scales import checkpoint_scales
 from splitserve.workers.kv.transfer.base import KVTransport
 from splitserve.workers.kv.transfer.registry import make_kv_transport
 from splitserve.workers.kv.transfer.ticket import TransferTicket
-from splitserve.workers.model.loader import load_checkpoint, load_hf_config, load_model
+from splitserve.workers.model.loader import (
+    checkpoint_files,
+    load_checkpoint,
+    load_hf_config,
+    load_model,
+)
 from splitserve.workers.model.tokenizer import load_tokenizer, tiny_tokenizer
 from splitserve.workers.output.processor import OutputProcessor
 from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
@@ -113,6 +119,9 @@ class LLMEngine:
         kv_layout = model.kv_layout.with_storage(config.cache.block_size, kv_dtype)
         num_blocks = admission.num_kv_blocks(config, kv_layout, self.max_model_len)
         self.kv_cache = KVCache(kv_layout, num_blocks, self.device)
+        if self.kv_cache.is_fp8 and path is not None:  # the checkpoint's scales, if any
+            found = checkpoint_scales(checkpoint_files(path), kv_layout.num_layers)
+            self.kv_cache.scales.set(*found)
         self.block_manager = BlockManager(
             num_blocks, kv_layout.block_size, config.cache.enable_prefix_caching
         )
@@ -142,7 +151,15 @@ class LLMEngine:
                     dtype,
                 )
             proposer = MTPProposer(model, num_spec, self.kv_cache, backend, graph_backend)
-            speculator = Speculator(model, proposer, self.sampler)
+            simulated = config.speculative_config.simulated_acceptance
+            if simulated is not None:
+                logger.warning(
+                    "speculative_config.simulated_acceptance=%s: drafts are replaced by the "
+                    "target's greedy token with that probability (benchmarks only; the output "
+                    "is not the model's)",
+                    simulated,
+                )
+            speculator = Speculator(model, proposer, self.sampler, simulated)
         self.spec_stats = SpecDecodeStats()
         graph_limits = None
         if config.cuda_graph.enabled:

@@ -4,7 +4,10 @@ An FP8 cache holds ``fp8(x / scale)`` and a reader takes ``float(q) * scale``
 (``kernels/kv_store.py``). A scale of 0 is not calibrated yet: the first store
 into a layer that writes non-zero rows sets it to ``amax / 448`` on the device,
 and from then on it is fixed, so every entry is read back with the scale it was
-written with. A checkpoint's scales (``set``) are fixed from the start.
+written with. A checkpoint's scales (``checkpoint_scales``, then ``set``) are fixed
+from the start: per-tensor ``k_scale`` / ``v_scale`` of a layer's attention, named
+as vLLM reads them (``model.layers.{i}.self_attn.k_scale``, or under ``.attn.`` or
+``.k_proj.`` / ``.v_proj.``); a layer without them is calibrated as above.
 
 Across a KV hand-off the pages travel as they are (FP8 bytes) and the sender's
 scales travel in the done message (``to_wire``). The receiver ``receive``s them:
@@ -19,7 +22,11 @@ that ``on_host`` answers from its copy and a store may skip the amax pass
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
+from safetensors import safe_open
 
 from splitserve.kernels.kv_store import dequantize_fp8, quantize_fp8
 
@@ -54,17 +61,17 @@ class KVScales:
         return k, v
 
     def set(self, k: list[float], v: list[float]) -> None:
-        """Fixed scales (a checkpoint's): every one must be > 0."""
+        """Fixed scales (a checkpoint's); 0 leaves a layer's to its first store."""
         if len(k) != self.num_layers or len(v) != self.num_layers:
             raise ValueError(
                 f"KV scales for {len(k)} / {len(v)} layers, the cache has {self.num_layers}"
             )
-        bad = [s for s in k + v if not s > 0]
+        bad = [s for s in k + v if not s >= 0]
         if bad:
-            raise ValueError(f"KV scales must be > 0, got {bad[:4]}")
+            raise ValueError(f"KV scales must be > 0 (or 0: calibrated later), got {bad[:4]}")
         self.k.copy_(torch.tensor(k, dtype=torch.float32))
         self.v.copy_(torch.tensor(v, dtype=torch.float32))
-        self._host = (list(k), list(v))
+        self._host = (list(k), list(v)) if all(s > 0 for s in k + v) else None
 
     def to_wire(self) -> list[float]:
         """The K scales then the V scales, for a hand-off's done message."""
@@ -105,6 +112,29 @@ class KVScales:
                     moved = True
             requantized += moved
         return requantized
+
+
+SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:attn\.|[kv]_proj\.)?([kv])_scale")
+
+
+def checkpoint_scales(files: list[Path], num_layers: int) -> tuple[list[float], list[float]]:
+    """The K and V scales a checkpoint's shards hold for layers ``0 .. num_layers - 1`` (0
+    where it has none). ValueError for a scale that is not one positive number."""
+    found = ([0.0] * num_layers, [0.0] * num_layers)
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle is not a dict
+                match = SCALE_NAME.fullmatch(name)
+                if match is None or int(match[1]) >= num_layers:
+                    continue
+                value = f.get_tensor(name)
+                if value.numel() != 1 or not value.item() > 0:
+                    raise ValueError(
+                        f"{file.name}: {name} must be one positive number (a per-tensor FP8 "
+                        f"KV scale), got shape {tuple(value.shape)}"
+                    )
+                found[match[2] == "v"][int(match[1])] = float(value.item())
+    return found
 
 
 def _requantize(cache: torch.Tensor, slots: torch.Tensor, s_from: float, s_to: float) -> None:
