@@ -215,10 +215,19 @@ def _completion(port: int, body: dict, timeout: float) -> dict:
     raise AssertionError(f"no completion within {timeout} s: {last}")
 
 
-def test_ray_up_serves_the_default_and_ray_down_leaves_nothing(tmp_path):
+@pytest.fixture
+def head_home_restored():
+    """ray up copies its bootstrap config and key to the head's home: here, this one."""
+    there = [p for p in BOOTSTRAP_FILES if p.exists()]
+    yield
+    for path in BOOTSTRAP_FILES:
+        if path not in there:
+            path.unlink(missing_ok=True)
+
+
+def test_ray_up_serves_the_default_and_ray_down_leaves_nothing(tmp_path, head_home_restored):
     _ensure_sshd_and_rsync()
     log = Transcript(tmp_path / "transcript.txt")
-    left_before = [p for p in BOOTSTRAP_FILES if p.exists()]
     port = _free_port()
     serve_config = _serve_config(tmp_path, port)
     with namespaced_sshd(tmp_path) as key:
@@ -271,6 +280,3 @@ def test_ray_up_serves_the_default_and_ray_down_leaves_nothing(tmp_path):
         assert names <= {"sshd", "bash", "sh", "ps"}, processes
         with socket.socket() as s:
             assert s.connect_ex((HOST, port)) != 0, "the HTTP port still answers"
-    for path in BOOTSTRAP_FILES:  # ray up copied them to the head's home
-        if path not in left_before:
-            path.unlink(missing_ok=True)

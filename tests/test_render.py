@@ -4,8 +4,6 @@ values) deploys the same serve config ``splitserve serve`` loads."""
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,18 +23,14 @@ def _no_key(values: dict) -> dict:
     return values
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "render", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-
-
-def _main(capsys, *args: str) -> tuple[int, str]:
-    """``splitserve render ARGS`` in this process: its status and stderr."""
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """``splitserve render ARGS`` in this process: its status, stdout and stderr."""
     try:
         status = main(["render", *args])
     except SystemExit as e:  # argparse
         status = e.code
-    return status, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
@@ -78,9 +72,9 @@ def test_args_hold_changes_pool_placement_and_no_key():
 
 def test_render_cli_writes_the_serve_config_file(tmp_path, capsys):
     path = ROOT / "configs" / "serve" / "default.yaml"
-    proc = _cli("--target", "serve-config", str(path))
-    assert proc.returncode == 0, proc.stderr
-    written = yaml.safe_load(proc.stdout)
+    status, out, _ = _main(capsys, "--target", "serve-config", str(path))
+    assert status == 0
+    written = yaml.safe_load(out)
     assert written == render.serve_config_file(ServeConfig.from_yaml(path))
     assert written["http_options"] == {"host": "127.0.0.1", "port": 8000}
     (app,) = written["applications"]
@@ -95,9 +89,9 @@ def test_render_cli_writes_the_serve_config_file(tmp_path, capsys):
 def test_bad_render_input_is_refused_with_the_reason(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("pools:\n  prefill: {resources: {GPU: 1}}\n")
-    status, err = _main(capsys, "--target", "helm", str(bad))
+    status, _, err = _main(capsys, "--target", "helm", str(bad))
     assert status == 2 and "bad.yaml: invalid pools.prefill.resources.GPU" in err
-    status, err = _main(capsys, "--target", "yaml", str(bad))
+    status, _, err = _main(capsys, "--target", "yaml", str(bad))
     assert status == 2 and "invalid choice: 'yaml'" in err
     with pytest.raises(ValueError, match="invalid --host 'prefill': must be POOL=HOST"):
         render.parse_hosts(["prefill"])
