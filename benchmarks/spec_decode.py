@@ -14,7 +14,7 @@ Random weights make the drafter almost never right, so acceptance is set, honest
 labelled: with ``alpha``, each drafted token is replaced by the target's own next token
 with probability alpha when it is verified (SIMULATED acceptance: the drafter and the
 verify forward run at full cost on the drafter's tokens; only the accept decision is
-simulated, at the cost of one extra argmax a step). ``alpha = real`` is the random
+simulated: ``speculative_config.simulated_acceptance``). ``alpha = real`` is the random
 drafter's own acceptance. Every row, table and JSON says which.
 
 Per (K, batch, alpha): ``batch`` requests of ``--prompt-len`` random tokens are
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import sys
 import tempfile
 import time
@@ -158,27 +157,11 @@ def make_engine(path: Path, k: int, max_batch: int, max_model_len: int) -> LLMEn
     )
 
 
-def simulate_acceptance(engine: LLMEngine, alpha: float | None, seed: int = 0) -> None:
+def simulate_acceptance(engine: LLMEngine, alpha: float | None) -> None:
     """Benchmark only: at verification each draft becomes the target's own next token
-    with probability ``alpha`` (the forwards already ran on the drafter's tokens); None:
-    the drafter's own tokens."""
-    sampler = engine.runner.speculator.rejection_sampler
-    verify = sampler.__class__.verify.__get__(sampler)  # the real one, never a wrapper
-    if alpha is None:
-        sampler.verify = verify
-        return
-    rng = random.Random(seed)
-
-    def simulated(logits, drafts, requests):
-        target = logits.argmax(dim=-1).tolist()
-        replaced, start = [], 0
-        for d in drafts:
-            row = [target[start + j] if rng.random() < alpha else t for j, t in enumerate(d)]
-            replaced.append(row)
-            start += len(d) + 1
-        return verify(logits, replaced, requests)
-
-    sampler.verify = simulated
+    with probability ``alpha`` (the forwards already ran on the drafter's tokens; the
+    engine's ``speculative_config.simulated_acceptance``); None: the drafter's own."""
+    engine.runner.speculator.rejection_sampler.simulated_acceptance = alpha
 
 
 def time_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict:

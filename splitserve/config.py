@@ -199,10 +199,16 @@ class SpeculativeConfig:
 
     ``mtp``: the checkpoint's MTP layer drafts ``K`` tokens a step (chained, the one
     layer reused), the target verifies them in one step of ``1 + K`` tokens a request.
+
+    ``simulated_acceptance`` (benchmarks of dummy weights only, whose drafter is almost
+    never right): at verification each draft becomes the target's own greedy token with
+    this probability; the forwards still run on the drafter's tokens, at full cost. The
+    emitted tokens then differ from the model's; the engine logs a warning at start.
     """
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
+    simulated_acceptance: float | None = None
 
     def check(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -215,6 +221,14 @@ class SpeculativeConfig:
             raise ValueError(
                 f"invalid speculative_config.num_speculative_tokens={k!r}: must be an integer "
                 ">= 1 (leave speculative_config out to decode without speculation)"
+            )
+        alpha = self.simulated_acceptance
+        if alpha is not None and not (
+            isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 <= alpha <= 1
+        ):
+            raise ValueError(
+                f"invalid speculative_config.simulated_acceptance={alpha!r}: must be a number "
+                "in [0, 1] (benchmarks only), or left out"
             )
 
 

@@ -196,6 +196,34 @@ def test_known_fraction_of_drafts_is_accepted(swapped_glm):
 # ---- scheduling under pressure
 
 
+def test_simulated_acceptance_is_a_labelled_benchmark_switch(random_glm):
+    """Benchmarks of dummy weights: with simulated_acceptance 1 every draft of a random
+    drafter is accepted (it became the target's greedy token); with 0 nothing changes."""
+
+    def run(alpha: float) -> tuple[LLMEngine, dict]:
+        eng = LLMEngine(
+            EngineConfig(
+                model=str(random_glm),
+                device="cpu",
+                attention_backend="torch",
+                cache=CacheConfig(block_size=4, num_kv_blocks=128),
+                scheduler=SchedulerConfig(max_model_len=64),
+                speculative_config=SpeculativeConfig("mtp", 2, simulated_acceptance=alpha),
+            )
+        )
+        return eng, generate(eng, prompts())
+
+    always, _ = run(1.0)
+    assert always.spec_stats.num_draft_tokens > 0
+    assert always.spec_stats.num_accepted_tokens == always.spec_stats.num_draft_tokens
+    assert_all_blocks_free(always)
+    never, tokens = run(0.0)
+    assert tokens == generate(engine(random_glm), prompts())
+    assert never.spec_stats.num_accepted_tokens < never.spec_stats.num_draft_tokens
+    with pytest.raises(ValueError, match="simulated_acceptance=1.5: must be a number in"):
+        EngineConfig.from_dict({"speculative_config": {"simulated_acceptance": 1.5}})
+
+
 def test_preemption_and_aborts_keep_tokens_and_return_every_block(context_glm):
     """A cache too small for the batch preempts (drafts and lookahead slots included);
     an aborted request frees its blocks; the others' tokens are unchanged."""

@@ -151,7 +151,15 @@ class LLMEngine:
                     dtype,
                 )
             proposer = MTPProposer(model, num_spec, self.kv_cache, backend, graph_backend)
-            speculator = Speculator(model, proposer, self.sampler)
+            simulated = config.speculative_config.simulated_acceptance
+            if simulated is not None:
+                logger.warning(
+                    "speculative_config.simulated_acceptance=%s: drafts are replaced by the "
+                    "target's greedy token with that probability (benchmarks only; the output "
+                    "is not the model's)",
+                    simulated,
+                )
+            speculator = Speculator(model, proposer, self.sampler, simulated)
         self.spec_stats = SpecDecodeStats()
         graph_limits = None
         if config.cuda_graph.enabled:

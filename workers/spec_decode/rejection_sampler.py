@@ -54,8 +54,12 @@ def drafts_allowed(request: Request) -> bool:
 
 
 class RejectionSampler:
-    def __init__(self, sampler: Sampler):
+    def __init__(self, sampler: Sampler, simulated_acceptance: float | None = None):
+        """``simulated_acceptance`` (benchmarks only): each draft becomes the target's greedy
+        token with this probability before it is verified (``SpeculativeConfig``)."""
         self.sampler = sampler  # its random generators
+        self.simulated_acceptance = simulated_acceptance
+        self._simulation: torch.Generator | None = None
 
     def verify(
         self, logits: torch.Tensor, drafts: list[list[int]], requests: list[Request]
@@ -70,6 +74,9 @@ class RejectionSampler:
         x = logits.to(torch.float32, copy=True)
         _apply_min_tokens(x, requests, counts)
         candidate = x.argmax(dim=-1)
+        if self.simulated_acceptance is not None:
+            draft_ids = self._simulate(draft_ids, candidate)
+            drafts = _split_drafts(draft_ids.tolist(), counts)
         accepted = candidate == draft_ids
         sampled = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if sampled:
@@ -128,6 +135,16 @@ class RejectionSampler:
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return accept, residual.div_(noise).argmax(dim=-1)
 
+    def _simulate(self, draft_ids: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
+        """Benchmarks only: each draft replaced by the target's greedy token with
+        probability ``simulated_acceptance`` (its own generator, seed 0)."""
+        device = draft_ids.device
+        if self._simulation is None:
+            self._simulation = torch.Generator(device).manual_seed(0)
+        draw = torch.rand(draft_ids.shape, generator=self._simulation, device=device)
+        hit = (draw < self.simulated_acceptance) & (draft_ids >= 0)
+        return torch.where(hit, candidate, draft_ids)
+
     @staticmethod
     def _logprobs(
         logits: torch.Tensor, runs: list[VerifiedRun], requests: list[Request], counts: list[int]
@@ -152,6 +169,15 @@ class RejectionSampler:
         for (i, j), token, lp, values, ids in zip(owners, tokens, chosen, top_values, top_ids):
             k = requests[i].sampling_params.logprobs
             runs[i].logprobs[j] = TokenLogprobs(token, lp, list(zip(ids[:k], values[:k])))
+
+
+def _split_drafts(rows: list[int], counts: list[int]) -> list[list[int]]:
+    """Each request's drafts from its ``1 + k`` rows (the last, its bonus row, has none)."""
+    drafts, start = [], 0
+    for n in counts:
+        drafts.append(rows[start : start + n - 1])
+        start += n
+    return drafts
 
 
 def _rows_of(indices: list[int], counts: list[int]) -> list[int]:

@@ -36,11 +36,17 @@ class SpeculativeResult:
 
 
 class Speculator:
-    def __init__(self, model, proposer: MTPProposer, sampler: Sampler):
+    def __init__(
+        self,
+        model,
+        proposer: MTPProposer,
+        sampler: Sampler,
+        simulated_acceptance: float | None = None,
+    ):
         self.model = model
         self.proposer = proposer
         self.sampler = sampler
-        self.rejection_sampler = RejectionSampler(sampler)
+        self.rejection_sampler = RejectionSampler(sampler, simulated_acceptance)
 
     @property
     def num_speculative_tokens(self) -> int:
