@@ -92,7 +92,8 @@ def test_unknown_dtype_lists_accepted():
 def test_unknown_preset_lists_presets(tmp_path):
     with pytest.raises(
         ValueError,
-        match="'qwen9-huge'.*presets: glm4-moe-tiny, qwen3-8b-shape, qwen3-moe-tiny, qwen3-tiny",
+        match="'qwen9-huge'.*presets: glm4-moe-tiny, glm45-air-8l-shape, glm45-air-shape, "
+        "qwen3-8b-shape, qwen3-moe-tiny, qwen3-tiny",
     ):
         load_hf_config("qwen9-huge")
     with pytest.raises(ValueError, match="directory without config.json"):

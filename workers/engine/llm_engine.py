@@ -366,6 +366,8 @@ class LLMEngine:
             self.handoff.close()
         if self.ep_front is not None:
             self.ep_front.close()
+        if self.runner.lockstep is not None:  # its process groups' threads stop here
+            self.runner.lockstep.group.close()
 
     def _new_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None
