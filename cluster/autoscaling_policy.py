@@ -100,7 +100,11 @@ def _ingress_replicas(ctx) -> float:
 
 
 class BoardReader:
-    """Snapshots of the app's stats board, read on a thread every ``period_s``."""
+    """Snapshots of the app's stats board, read on a thread every ``period_s``. The
+    thread ends when nobody took its snapshots for ``IDLE_S`` (the app was redeployed or
+    deleted: Ray Serve made a new policy, or none) and starts again on the next take."""
+
+    IDLE_S = 30.0
 
     def __init__(self, namespace: str, period_s: float):
         self.namespace = namespace
@@ -108,12 +112,19 @@ class BoardReader:
         self._board = None
         self._lock = threading.Lock()
         self._new: list[tuple[float, dict]] = []
-        threading.Thread(target=self._run, name="splitserve-autoscaler", daemon=True).start()
+        self._taken = time.monotonic()
+        self._thread: threading.Thread | None = None
 
     def take(self) -> list[tuple[float, dict]]:
         """The snapshots read since the last call, oldest first."""
         with self._lock:
             new, self._new = self._new, []
+            self._taken = time.monotonic()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="splitserve-autoscaler", daemon=True
+                )
+                self._thread.start()
         return new
 
     def post(self, stats: dict) -> None:
@@ -127,7 +138,7 @@ class BoardReader:
 
         from splitserve.cluster.stats_board import BOARD_NAME
 
-        while True:
+        while time.monotonic() - self._taken < self.IDLE_S:
             try:
                 if self._board is None:
                     self._board = ray.get_actor(BOARD_NAME, namespace=self.namespace)

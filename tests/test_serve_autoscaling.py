@@ -75,6 +75,12 @@ def test_an_idle_prefill_pool_goes_to_zero_and_stays_there(server):
 def test_a_long_prompt_brings_the_prefill_pool_back(server, model_dir):
     body = {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
     status, resp = server.post("/v1/completions", body)
+    deadline = time.monotonic() + 180
+    while status == 503:  # the replica took longer to start than the ingress waits (30 s)
+        assert "prefill" in resp["error"]["message"], resp
+        assert server.metrics()[TARGET % "prefill"] == 1  # asked for: it is on its way
+        assert time.monotonic() < deadline, resp
+        status, resp = server.post("/v1/completions", body)
     assert status == 200, resp
     offline = offline_greedy(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
     assert resp["choices"][0]["token_ids"] == offline(resp["prompt_token_ids"], 8)
