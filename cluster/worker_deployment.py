@@ -9,8 +9,8 @@ from it directly. The replica keeps the engine's control side:
 - ``nccl_join(NcclJoinCall)``: the decode side of a prefill worker's rendezvous
   (a prefill engine asks its replica, which calls the decode replica named in the
   ticket through Ray Serve).
-- its load, posted to the stats board (routing, ``/metrics``) and reported to Ray
-  Serve for autoscaling (``record_autoscaling_stats``);
+- its load, posted to the stats board (routing, ``/metrics``, and the autoscaling
+  policy, which reads it there);
 - ``check_health``: unhealthy once the engine process is gone, or when it made no
   progress for ``watchdog_timeout_s`` (no stats, or no step while holding requests:
   a hung process), so Ray Serve replaces the replica.
@@ -83,14 +83,6 @@ class EngineWorker:
     async def nccl_join(self, call: NcclJoinCall) -> bool:
         self.engine.join(call.pair_key, call.unique_id, call.rank)
         return True
-
-    def record_autoscaling_stats(self) -> dict[str, float]:
-        s = self.engine.stats
-        return {
-            "queued_prompt_tokens": float(s.queued_prompt_tokens),
-            "running_requests": float(s.num_running + s.num_waiting_for_kv),
-            "kv_usage": float(s.kv_usage),
-        }
 
     def check_health(self) -> None:
         if not self.engine.alive:
