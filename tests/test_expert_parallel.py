@@ -394,5 +394,6 @@ def test_prefill_and_decode_workers_keep_their_modes(qwen_moe):
         prefill.close()
         decode.close()
     assert [run.tokens[f"r{i}"] for i in range(len(prompts))] == want
+    assert len({t.address for t in run.tickets.values()}) == 2  # both decode ranks received
     assert set(prefill_modes) <= {PREFILL, None} and prefill_modes[PREFILL]
     assert set(decode_modes) <= {DECODE, None} and decode_modes[DECODE]
