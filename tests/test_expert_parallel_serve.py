@@ -200,3 +200,28 @@ def test_killed_rank_ends_its_groups_streams_with_a_clear_error(server):
     while _rank_blocks(server, "prefill") != [NUM_BLOCKS - 1] * 2:
         assert time.monotonic() < deadline, _rank_blocks(server, "prefill")
         time.sleep(0.2)
+
+
+# ---- configuration: what serve refuses before deploying (no server) ----------------------
+
+
+def test_serve_refuses_a_group_that_cannot_fit(tmp_path):
+    from splitserve.cluster.serve_config import ServeConfig
+    from splitserve.cluster.startup_checks import check_node_gpus, fit_to_model
+
+    def config(ep: int, **pool) -> ServeConfig:
+        engine = {"model": "qwen3-moe-tiny", "device": "cuda"}  # 8 routed experts
+        pools = {"prefill": {"replicas": 0}, "decode": {"replicas": 0}, "mixed": pool}
+        return ServeConfig.from_dict(
+            {"engine": {**engine, "parallel": {"expert_parallel_size": ep}}, "pools": pools}
+        )
+
+    assert config(4, replicas=1).pools["mixed"].replica_gpus(config(4).engine) == 4
+    with pytest.raises(ValueError, match=r"pools.mixed.num_gpus=1: .* set num_gpus to 2"):
+        config(2, replicas=1, num_gpus=1)
+    with pytest.raises(ValueError, match="does not divide the model's 8 routed experts"):
+        fit_to_model(config(3, replicas=1))
+    nodes = [{"Alive": True, "Resources": {"GPU": 2.0}}, {"Alive": False, "Resources": {}}]
+    check_node_gpus(config(2, replicas=1), nodes)
+    with pytest.raises(ValueError, match="needs 4 GPUs on one node .* largest node .* has 2"):
+        check_node_gpus(config(4, replicas=1), nodes)
