@@ -195,24 +195,25 @@ def _launch_yaml(workdir: Path, serve_config: Path, key: Path) -> Path:
     return path
 
 
-def _completion(port: int, body: dict, timeout: float) -> dict:
-    """POST /v1/completions until the app answers (at most ``timeout`` s)."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            conn = http.client.HTTPConnection(HOST, port, timeout=30)
-            conn.request(
-                "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
-            )
-            resp = conn.getresponse()
-            raw = resp.read().decode()
-            if resp.status == 200:
-                return json.loads(raw)
-            last = f"{resp.status} {raw[:300]}"
-        except OSError as e:
-            last = repr(e)
+def _wait_until_served(serve_log: Path, port: int, timeout: float) -> None:
+    """Until ``splitserve serve`` says it serves on ``port`` (another server of the
+    machine may have taken a port picked free a moment before: then this fails)."""
+    deadline = time.monotonic() + timeout
+    while f"at http://{HOST}:{port}/v1" not in serve_log.read_text():
+        assert "splitserve serve:" not in serve_log.read_text(), serve_log.read_text()  # errors
+        assert time.monotonic() < deadline, (
+            f"not serving after {timeout} s:\n{serve_log.read_text()}"
+        )
         time.sleep(2)
-    raise AssertionError(f"no completion within {timeout} s: {last}")
+
+
+def _completion(port: int, body: dict) -> dict:
+    conn = http.client.HTTPConnection(HOST, port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    assert resp.status == 200, raw
+    return json.loads(raw)
 
 
 @pytest.fixture
@@ -249,7 +250,9 @@ def test_ray_up_serves_the_default_and_ray_down_leaves_nothing(tmp_path, head_ho
                 "temperature": 0,
                 "return_token_ids": True,
             }
-            resp = _completion(port, body, timeout=300)
+            _wait_until_served(serve_log, port, timeout=300)
+            resp = _completion(port, body)
+            assert resp["model"] == "qwen3-tiny", resp  # this server, not another one's
             log.write(f"# POST /v1/completions {json.dumps(body)}\n{json.dumps(resp)}")
             log.write(f"# {serve_log.name}:\n{serve_log.read_text()}")
             (choice,) = resp["choices"]
