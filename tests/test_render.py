@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray.serve.schema import ServeDeploySchema
 
 from splitserve.cluster import render
 from splitserve.cluster.app import serve_application
@@ -43,6 +44,8 @@ def test_every_shipped_config_renders_the_application_the_cli_deploys(path):
     assert {**app, "args": None} == yaml.safe_load(yaml.safe_dump({**cli, "args": None}))
     rendered = ServeConfig.from_dict(app["args"]).to_dict()
     assert _no_key(rendered) == _no_key(ServeConfig.from_dict(cli["args"]).to_dict())
+    # The file is what `serve deploy` and KubeRay accept: Ray Serve's own schema.
+    ServeDeploySchema(**render.serve_config_file(config))
 
 
 def test_args_hold_changes_pool_placement_and_no_key():
