@@ -131,18 +131,19 @@ def test_block_count_counts_fp8_bytes():
 
 def test_fp8_prefix_caching_and_preemption(qwen3):
     prompts = [list(range(1, 13)) + p for p in prompt_set((20, 35, 50, 65), seed=1)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     roomy = _llm(qwen3, "fp8_e4m3")
-    expected = generate(roomy, prompts)
+    expected = generate(roomy, prompts, params)
     # Prefix caching: the 12-token prefix (3 blocks) is a hit, the output unchanged.
-    outs = roomy.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    outs = roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
     assert all(o.num_cached_tokens >= 12 for o in outs)
     assert roomy.engine.block_manager.num_free_blocks == 399
-    # Preemption: 40 usable blocks cannot hold the four requests at once; the recomputed
-    # KV is quantized with the same (fixed) scales, so the tokens do not change.
-    tight = _llm(qwen3, "fp8_e4m3", num_kv_blocks=41, max_num_batched_tokens=16)
+    # Preemption: 40 usable blocks cannot hold the four requests (266 tokens) at once; the
+    # recomputed KV is quantized with the same (fixed) scales, so the tokens do not change.
+    tight = _llm(qwen3, "fp8_e4m3", num_kv_blocks=41, max_num_batched_tokens=32)
     tight.engine.kv_cache.scales.set(*roomy.engine.kv_cache.scales.on_host())
-    assert generate(tight, prompts) == expected
+    assert generate(tight, prompts, params) == expected
     assert tight.engine.num_preemptions > 0
     assert tight.engine.block_manager.num_free_blocks == 40
 
