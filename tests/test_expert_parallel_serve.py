@@ -48,6 +48,7 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     config = one_prefill_one_decode_config(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
     config["engine"]["parallel"] = {"expert_parallel_size": 2}
+    config["drain_timeout_s"] = 5.0  # the decode replica may still be starting at the end
     with serving(config, tmp_path_factory.mktemp("serve")) as server:
         yield server
 
