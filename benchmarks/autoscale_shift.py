@@ -75,10 +75,8 @@ def request(url: str, body: dict, timeout: float = 120.0) -> int:
 
 
 def phase_body(kind: str, rng: random.Random, args: argparse.Namespace) -> dict:
-    if kind == "prompts":
-        prompt, max_tokens = [rng.randrange(100, 1000) for _ in range(args.prompt_len)], 1
-    else:
-        prompt, max_tokens = [rng.randrange(100, 1000) for _ in range(8)], args.output_len
+    length, max_tokens = (args.prompt_len, 1) if kind == "prompts" else (8, args.output_len)
+    prompt = [rng.randrange(1, 500) for _ in range(length)]  # the tiny preset has 512 ids
     return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
@@ -143,6 +141,18 @@ def monitor(url: str, start: float, phase: list[str], rows: list[dict], stop) ->
         with contextlib.suppress(OSError):  # a slow scrape: the next second's will do
             rows.append(sample(read_metrics(url), time.monotonic() - start, phase[0]))
         stop.wait(1.0)
+
+
+def wait_for_autoscaler(url: str, timeout: float) -> None:
+    """Until every pool has a live replica and the autoscaler has posted its decision."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            row = sample(read_metrics(url), 0.0, "start")
+            if all(row[p]["target"] is not None and row[p]["live"] for p in POOLS):
+                return
+        time.sleep(1.0)
+    raise RuntimeError(f"the autoscaler posted no decision within {timeout} s")
 
 
 def changes(rows: list[dict], pool: str) -> list[tuple[float, float, str]]:
@@ -223,6 +233,7 @@ def main() -> int:
         path = Path(tmp) / "autoscale.yaml"
         path.write_text(yaml.safe_dump(config))
         with served(path, "127.0.0.1", None, None, startup_s=300) as url:
+            wait_for_autoscaler(url, timeout=300)
             rows, statuses, phase_times = [], [], []
             current, stop = ["start"], threading.Event()
             start = time.monotonic()
@@ -252,6 +263,8 @@ def main() -> int:
         moves = ", ".join(f"{t:.0f} s -> {n:g} ({ph})" for t, n, ph in result["changes"][pool])
         print(f"{pool}: {moves}")
     print(f"requests by HTTP status: {result['requests']}")
+    if set(result["requests"]) != {"200"}:
+        print("warning: requests failed; the load was not what the phases say")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     if args.plot:

@@ -113,7 +113,7 @@ class PoolSignals:
 
     replicas: int = 0  # running replicas
     queued_prompt_tokens: float = 0.0
-    running_requests: float = 0.0  # decoding, or waiting for their KV
+    running_requests: float = 0.0  # decoding (not those still waiting for their KV)
     waiting_for_kv: float = 0.0  # decode side: reserved, the prompt not computed yet
     requests: float = 0.0  # every request the pool's workers hold
     kv_usage: float = 0.0  # the replicas' shares summed: 1.5 is one and a half full

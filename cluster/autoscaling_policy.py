@@ -34,7 +34,8 @@ from splitserve.cluster.autoscaling import (
 )
 from splitserve.cluster.autoscaling_signals import AUTOSCALER, SignalWindow
 
-logger = logging.getLogger(__name__)
+# Ray Serve's logger: the policy runs in its controller, whose log this lands in.
+logger = logging.getLogger("ray.serve")
 
 
 class GoodputPolicy:
@@ -138,6 +139,7 @@ class BoardReader:
 
         from splitserve.cluster.stats_board import BOARD_NAME
 
+        failing = None
         while time.monotonic() - self._taken < self.IDLE_S:
             try:
                 if self._board is None:
@@ -145,8 +147,13 @@ class BoardReader:
                 snapshot = ray.get(self._board.snapshot.remote(), timeout=10)
                 with self._lock:
                     self._new.append((time.monotonic(), snapshot))
-            except Exception:  # not created yet, or restarting with the app
-                self._board = None
+                if failing is not False:
+                    logger.info("autoscaler: reading the %s stats board", self.namespace)
+                failing = False
+            except Exception as e:  # not created yet, or restarting with the app
+                if failing is not True:
+                    logger.warning("autoscaler: cannot read the stats board yet: %r", e)
+                self._board, failing = None, True
             time.sleep(self.period_s)
 
 

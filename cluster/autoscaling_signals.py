@@ -63,7 +63,8 @@ def pool_loads(snapshot: Snapshot) -> dict[str, PoolSignals]:
         s = out.setdefault(pool, PoolSignals())
         s.replicas += 1
         s.queued_prompt_tokens += stats["queued_prompt_tokens"]
-        s.running_requests += stats["num_running"] + stats["num_waiting_for_kv"]
+        # A request waiting for its prompt's KV loads the prefill pool, not this one yet.
+        s.running_requests += stats["num_running"]
         s.waiting_for_kv += stats["num_waiting_for_kv"]
         s.requests += sum(
             stats[k] for k in ("num_running", "num_waiting", "num_waiting_for_kv", "num_sending_kv")
