@@ -38,8 +38,13 @@ preload lost, so it runs at one request only. Figures: ``docs/perf/TUNING.md``.
 
 An FP8 cache (``kv_scales``) is read at half the bytes: each tile of K and V is
 widened to q's dtype as it is loaded, K's scale joins the softmax scale and V's
-multiplies the output; a new row is stored quantized with the scales (which the
-caller has calibrated) and attended as a later step will read it.
+multiplies the output; a new row is stored quantized with the scales and attended
+as a later step will read it. A scale still 0 (not calibrated: in practice never in
+a decode step, whose prompts set it) is set as ``store_kv_fp8`` sets it: every
+program that reads 0 takes the amax over all the step's stored new rows (the same
+loop, so the same ``amax / 448``) and program (0, 0, 0) writes it back; a program
+that reads it written gets that same value. Rows normed here (``norm_rope``) are
+not in that amax: with ``norm_rope`` the caller must have seen the scales set.
 
 The group's query heads are the rows of one ``tl.dot`` (padded to 16 rows):
 q and K in their dtype, scores and sums in float32, the probabilities cast to
@@ -114,6 +119,27 @@ def _quantize(x, scale, dtype):
 
 
 @triton.jit
+def _new_rows_amax(
+    k_new_ptr, v_new_ptr, slot_ptr, batch, stride_kb, stride_kh, stride_vb, stride_vh,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_KV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """max |K| and max |V| over the batch's new rows that are stored (slot >= 0)."""
+    heads = tl.arange(0, BLOCK_KV)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    k_max = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
+    v_max = tl.zeros([BLOCK_KV, BLOCK_D], dtype=tl.float32)
+    for row in range(0, batch):
+        written_heads = tl.where(tl.load(slot_ptr + row) >= 0, NUM_KV_HEADS, 0)
+        rows = (heads < written_heads) & (dims < HEAD_DIM)
+        k = tl.load(k_new_ptr + row * stride_kb + heads * stride_kh + dims, mask=rows, other=0.0)
+        v = tl.load(v_new_ptr + row * stride_vb + heads * stride_vh + dims, mask=rows, other=0.0)
+        k_max = tl.maximum(k_max, tl.abs(k.to(tl.float32)))
+        v_max = tl.maximum(v_max, tl.abs(v.to(tl.float32)))
+    return tl.max(tl.max(k_max, axis=1), axis=0), tl.max(tl.max(v_max, axis=1), axis=0)
+
+
+@triton.jit
 def _split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -162,6 +188,9 @@ def _split_kernel(
     NEW_KV: tl.constexpr,
     NORM_ROPE: tl.constexpr,  # q and the new K row: RMS-normed per head and rotated first
     FP8: tl.constexpr,  # the cache holds float8_e4m3fn with a K and a V scale
+    CALIBRATE: tl.constexpr,  # FP8 with new rows, not normed here: a scale of 0 is set
+    GROUP_KV: tl.constexpr,  # KV heads (for the new rows' amax)
+    BLOCK_KV: tl.constexpr,
     PRELOAD: tl.constexpr,  # load the first tile before waiting for the previous kernel
     PDL: tl.constexpr,
 ):
@@ -202,6 +231,21 @@ def _split_kernel(
     if FP8:  # K's scale joins the softmax scale; V's scales the output
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
+        if CALIBRATE:  # noqa: SIM102 - a compile-time branch around a run-time one
+            if (k_scale <= 0) | (v_scale <= 0):  # this step's new rows set it (docstring)
+                k_amax, v_amax = _new_rows_amax(
+                    k_new_ptr, v_new_ptr, slot_ptr, tl.num_programs(0), stride_kb, stride_kh,
+                    stride_vb, stride_vh, GROUP_KV, HEAD_DIM, BLOCK_KV, BLOCK_D,
+                )  # fmt: skip
+                first = (b == 0) & (kv_head == 0) & (split == 0)
+                if k_scale <= 0:
+                    k_scale = tl.math.div_rn(k_amax, 448.0)
+                    if first:
+                        tl.store(k_scale_ptr, k_scale)
+                if v_scale <= 0:
+                    v_scale = tl.math.div_rn(v_amax, 448.0)
+                    if first:
+                        tl.store(v_scale_ptr, v_scale)
         scale = scale * k_scale
     if NEW_KV:
         k_row = k_new_ptr + b * stride_kb + kv_head * stride_kh
@@ -327,7 +371,8 @@ def decode_attention(
     (with ``new_kv``: the new rows stored first; with ``norm_rope``: q and the new K rows
     normed and rotated as they are loaded, as ``qk_norm_rope`` would first; with
     ``kv_scales``: an FP8 cache read as ``float(q) * scale``, and new rows stored with
-    those scales, which must be calibrated already: this kernel never sets them)."""
+    those scales, a scale of 0 set from the new rows first as ``store_kv_fp8`` does;
+    with ``norm_rope`` too, the scales must be set already: that case never sets them)."""
     check_shapes(q, k_cache, v_cache, block_tables, seq_lens, new_kv, norm_rope, kv_scales)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -366,6 +411,8 @@ def decode_attention(
         NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NEW_KV=new_kv is not None, NORM_ROPE=norm_rope is not None, FP8=kv_scales is not None,
+        CALIBRATE=kv_scales is not None and new_kv is not None and norm_rope is None,
+        GROUP_KV=num_kv_heads, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
         num_warps=4,
         PRELOAD=batch == 1 and new_kv is not None,  # the new row is not among the cached
         **launch_options(

@@ -83,3 +83,29 @@ def test_fp8_cache_needs_scales_and_a_plain_cache_takes_none():
         decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
     with pytest.raises(ValueError, match="takes no kv_scales"):
         reference(q, k_cache.float(), v_cache.float(), tables, lens, 0.25, kv_scales=scales)
+
+
+@pytest.mark.parametrize("case", [c for c in ALL_CASES if len(getattr(c, "values", [c])[0][0]) > 1])
+def test_fp8_decode_sets_uncalibrated_scales_as_the_store_does(case):
+    """Scales at 0: the kernel sets them from the step's stored new rows (amax / 448, a
+    skipped row not counted) before storing and attending, as ``store_kv_fp8`` would."""
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits = case
+    q, k_cache, v_cache, tables, lens, _ = fp8_inputs(case, torch.float32)
+    k, v, slots = new_rows(tables, lens, num_kv_heads, head_dim, block_size, torch.float32)
+    k, v = fp8_exact_rows(k, SCALES[0]), fp8_exact_rows(v, SCALES[1])
+    k[1, 0, 0], v[1, 0, 0] = 448 * SCALES[0], 448 * SCALES[1]  # amax / 448 = SCALES
+    k[0] *= 1000  # the largest row is skipped: it must not set the scale
+    slots[0] = -1
+    scales = tuple(torch.zeros(1, device=DEVICE) for _ in "kv")
+    ref_scales = tuple(torch.zeros(1, device=DEVICE) for _ in "kv")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    scale = head_dim**-0.5
+    new = (k, v, slots)
+    out = decode_attention(
+        q, k_cache, v_cache, tables, lens, scale, splits, new_kv=new, kv_scales=scales
+    )
+    want = reference(q, ref_k, ref_v, tables, lens, scale, new_kv=new, kv_scales=ref_scales)
+    assert [s.item() for s in scales] == [s.item() for s in ref_scales] == list(SCALES)
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+    assert_close(out[1:], want[1:], torch.float32)  # row 0 (not stored) attends its input

@@ -30,9 +30,10 @@ An FP8 KV cache (``float8_e4m3fn``, ``kv_dtype``) is planned with FlashInfer's
 and multiplied into the output after the kernel), which a CUDA graph would freeze
 before the first prompt calibrates them; so the backend does the same on the
 device: q times the layer's K scale before the kernel, the output times its V scale
-after. The Triton split-KV kernel takes the scales itself; it stores the new rows
-quantized once the host knows the scales are set (``KVScales.calibrated``), and
-before that the calibrating KV store runs first, as for the other kernels.
+after. The Triton split-KV kernel takes the scales itself and stores the new rows
+quantized (setting a scale still 0 as the KV store would); it norms q/k on load only
+once the host has seen the scales set (``KVScales.calibrated``): rows it norms are
+not in that calibration.
 
 Decode CUDA graphs get one decode wrapper per captured size, built over
 static index buffers (``use_cuda_graph=True``); ``prepare_replay`` re-plans
@@ -103,7 +104,7 @@ class SplitKVDecodeMetadata:
 
     block_tables: torch.Tensor  # [batch, blocks] int
     seq_lens: torch.Tensor  # [batch] int
-    stores_new_kv: bool = True  # the kernel stores the new rows (FP8: once calibrated)
+    may_norm_qk: bool = True  # FP8: only once the host has seen the scales set
 
 
 def tensor_core_decode(num_heads: int, num_kv_heads: int) -> bool:
@@ -250,7 +251,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         meta = forward_batch.attn_metadata
         if not isinstance(meta, SplitKVDecodeMetadata):
             return AttentionKernel()
-        norms_qk = meta.stores_new_kv and meta.seq_lens.shape[0] <= NORM_ROPE_MAX_BATCH
+        norms_qk = meta.may_norm_qk and meta.seq_lens.shape[0] <= NORM_ROPE_MAX_BATCH
         return AttentionKernel(norms_qk=norms_qk, reads_batch_index=True)
 
     def _split_kv(self, fb: ForwardBatch, batch: int) -> bool:
@@ -298,13 +299,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache.layer(layer.layer_id)
         scales = kv_cache.layer_scales(layer.layer_id)
         meta = forward_batch.attn_metadata
-        if isinstance(meta, SplitKVDecodeMetadata):
+        if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
             new_kv = (k, v, forward_batch.slot_mapping)
-            if not meta.stores_new_kv:  # FP8 before its scales are known: store first
-                if norm_rope is not None:
-                    q, k = norm_rope(q, k)
-                kv_cache.store(layer.layer_id, k, v, forward_batch.slot_mapping)
-                new_kv = norm_rope = None
             return decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale,
                 new_kv=new_kv, norm_rope=None if norm_rope is None else norm_rope.kernel_args(),
@@ -362,11 +358,11 @@ class FlashInferAttentionBackend(AttentionBackend):
 
 
 def _split_kv_metadata(fb: ForwardBatch) -> SplitKVDecodeMetadata:
-    """The split-KV kernel stores the new rows itself unless the cache is FP8 with scales
-    the host has not seen set (the calibrating store runs first then)."""
+    """The split-KV kernel norms q/k on load unless the cache is FP8 with scales the host
+    has not seen set (the kernel may set them from the rows, which must be normed)."""
     scales = fb.kv_cache.scales
-    stores = scales is None or scales.calibrated
-    return SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor, stores)
+    may_norm = scales is None or scales.calibrated
+    return SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor, may_norm)
 
 
 def _write_index(fb: ForwardBatch) -> None:
