@@ -21,6 +21,12 @@ from splitserve.cluster.serve_config import POOLS, PoolConfig, ServeConfig
 from splitserve.cluster.worker_deployment import EngineWorker
 from splitserve.workers.engine.engine_client import SHUTDOWN_TIMEOUT_S
 
+# The ingress's handlers run on the replica's own event loop, the one its HTTP server
+# (direct ingress) runs on, not on a second loop in another thread: every streamed chunk
+# otherwise crosses between the two threads (a thread-safe queue and a loop wake-up
+# each). The handlers never block (parsing and tokenizing run in a thread).
+INGRESS_RUNTIME_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+
 
 def build_app(config: ServeConfig) -> serve.Application:
     engine = _engine_dict(config)
@@ -50,7 +56,7 @@ def ingress_deployment(config: ServeConfig) -> serve.Deployment:
     policy), behind Ray Serve's proxy."""
     ingress = config.ingress
     options: dict = dict(
-        ray_actor_options={"num_cpus": ingress.num_cpus},
+        ray_actor_options={"num_cpus": ingress.num_cpus, "runtime_env": INGRESS_RUNTIME_ENV},
         max_ongoing_requests=ingress.max_ongoing_requests,
         # Ray Serve waits for a leaving replica's HTTP requests, then calls its __del__.
         graceful_shutdown_timeout_s=config.drain_timeout_s + 5.0,

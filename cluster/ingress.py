@@ -254,8 +254,9 @@ class OpenAIIngress:
                         n = len(output.new_token_ids)
                         if n and num_tokens == 0:
                             self.metrics.ttft.labels(routes[-1]).observe(now - start)
+                            itl = self.metrics.itl.labels(routes[-1])  # the route is known
                         elif n:
-                            self.metrics.itl.labels(routes[-1]).observe((now - last) / n)
+                            itl.observe((now - last) / n)
                         num_tokens, last = num_tokens + n, now
                         yield output
                     outcome = "ok"

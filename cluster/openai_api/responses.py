@@ -38,10 +38,11 @@ from splitserve.workers.output.request_output import CompletionOutput, RequestOu
 from splitserve.workers.sampling.sampler import TokenLogprobs
 
 SSE_DONE = "data: [DONE]\n\n"
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # one for every event
 
 
 def sse_event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(obj)}\n\n"
 
 
 def error_event(err: OpenAIError) -> str:

@@ -42,13 +42,14 @@ CONNECT_TIMEOUT_S = 10.0
 
 
 class _Stream:
-    """One request's events, waiting for its ``generate`` to take them."""
+    """One request's events, waiting for its ``generate`` to take them. (A bare future
+    wakes the taker: an ``asyncio.Event`` costs more, once per token.)"""
 
     def __init__(self) -> None:
         self.events: list[Event] = []
-        self.ready = asyncio.Event()
         self.ended = False  # its last event is in: nothing goes after it
         self.ended_here = False  # ... put by this side, not the engine's: abort it there
+        self._waiter: asyncio.Future | None = None
 
     def put(self, event: Event, here: bool = False) -> None:
         if self.ended:
@@ -56,11 +57,18 @@ class _Stream:
         self.ended = is_last(event)
         self.ended_here = self.ended and here
         self.events.append(event)
-        self.ready.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def take(self) -> list[Event]:
-        await self.ready.wait()
-        self.ready.clear()
+        """The events put since the last take (waits for one); the last event, once in,
+        is in the list this returns."""
+        if not self.events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         events, self.events = self.events, []
         return events
 
@@ -128,7 +136,7 @@ class EngineConnection:
             self.sent_tokens_since_stats += len(call.prompt_token_ids)
             while not finished:
                 events = await stream.take()
-                finished = any(is_last(e) for e in events)
+                finished = stream.ended  # its last event is in ``events``
                 yield events
         finally:
             self._streams.pop(rid, None)
