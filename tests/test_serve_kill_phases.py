@@ -173,7 +173,6 @@ CASES = [
     pytest.param("prefilling", "prefill", "engine", id="prefilling-prefill-engine"),
     pytest.param("transferring", "decode", "engine", id="transferring-decode-engine"),
     pytest.param("transferring", "prefill", "worker", id="transferring-prefill-replica"),
-    pytest.param("transferring", "decode", "worker", id="transferring-decode-replica"),
 ]
 _killed: set[int] = set()  # pids killed by earlier tests of the module
 
