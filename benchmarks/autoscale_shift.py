@@ -1,6 +1,6 @@
 """The goodput autoscaler under a load that shifts from long prompts to long outputs.
 
-    python benchmarks/autoscale_shift.py [--phases prompts:45 outputs:60 prompts:45 quiet:40]
+    python benchmarks/autoscale_shift.py [--phases prompts:45 outputs:60 prompts:45 quiet:75]
         [--json docs/perf/autoscale_shift_cpu.json] [--plot docs/perf/autoscale_shift_cpu.png]
 
 Starts ``splitserve serve`` on the tiny preset (CPU) with both pools autoscaled
@@ -214,7 +214,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--phases", nargs="+", default=["prompts:45", "outputs:60", "prompts:45", "quiet:40"]
+        "--phases", nargs="+", default=["prompts:45", "outputs:60", "prompts:45", "quiet:75"]
     )
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=900)
