@@ -1,16 +1,27 @@
-"""Goodput autoscaling end to end: ``splitserve serve`` with both pools autoscaled.
+"""The pools end to end: goodput autoscaling, then unequal fixed pools resized live.
 
-One server (CPU, tiny Qwen3) runs the tests in file order: the prefill pool
+One ``splitserve serve`` (CPU, tiny Qwen3) runs the tests in file order (one
+cluster for both halves keeps CI short). Autoscaled: the prefill pool
 (``min_replicas: 0``) goes to zero when idle and stays there through a quiet
 period; a long prompt brings it back and is answered token for token as the
 offline engine does; long outputs grow the decode pool to its max, which shrinks
-back once they end. The decision and its inputs are read from ``/metrics``.
+back once they end; the decision and its inputs are read from ``/metrics``.
+Unequal: ``splitserve scale --prefill 2 --decode 1`` makes the pools fixed; long
+prompts sent together answer as the offline engine does; then
+``splitserve scale --prefill 1 --decode 2`` resizes them in place while clients
+keep sending, and every answer, before, during and after, is the same, with no
+KV block left held on any worker.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -20,6 +31,11 @@ from tests.serve_harness import offline_greedy, one_prefill_one_decode_config, s
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 512
 NUM_BLOCKS = 256
+MAX_TOKENS = 12
+PROMPTS = [
+    f"Request {i}: prefill computes the prompt and hands its KV cache to a decode worker. "
+    for i in range(6)
+]
 TARGET = 'splitserve_autoscaler_target_replicas{pool="%s"}'
 LONG_PROMPT = "Prefill computes the prompt; decode generates one token at a time. " * 2
 
@@ -27,6 +43,11 @@ LONG_PROMPT = "Prefill computes the prompt; decode generates one token at a time
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return checkpoints.write_qwen3(tmp_path_factory.mktemp("qwen3-autoscale"))
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    return offline_greedy(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +93,7 @@ def test_an_idle_prefill_pool_goes_to_zero_and_stays_there(server):
     assert server.request("GET", "/health")[0] == 503  # no prefill worker: not serving
 
 
-def test_a_long_prompt_brings_the_prefill_pool_back(server, model_dir):
+def test_a_long_prompt_brings_the_prefill_pool_back(server, offline):
     body = {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
     status, resp = server.post("/v1/completions", body)
     deadline = time.monotonic() + 180
@@ -82,7 +103,6 @@ def test_a_long_prompt_brings_the_prefill_pool_back(server, model_dir):
         assert time.monotonic() < deadline, resp
         status, resp = server.post("/v1/completions", body)
     assert status == 200, resp
-    offline = offline_greedy(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
     assert resp["choices"][0]["token_ids"] == offline(resp["prompt_token_ids"], 8)
     m = server.metrics()
     assert m[TARGET % "prefill"] == 1
@@ -113,3 +133,86 @@ def test_long_outputs_grow_the_decode_pool_and_it_shrinks_back(server):
     assert len(finished) >= 6 and set(finished) == {"length"}, finished
     wait_for(server, TARGET % "decode", 1, timeout=60)
     server.wait_all_blocks_free(pools=("decode",))
+
+
+def wait_for_replicas(server, replicas: dict[str, int], timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    live = None
+    while time.monotonic() < deadline:
+        status, raw = server.request("GET", "/health")
+        live = json.loads(raw).get("replicas")
+        if status == 200 and {p: n for p, n in live.items() if n} == replicas:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"replicas {live}, waited for {replicas}")
+
+
+def complete(server, prompt: str) -> tuple[list[int], list[int]]:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+    status, resp = server.post("/v1/completions", {**body, "return_token_ids": True})
+    assert status == 200, resp
+    return resp["prompt_token_ids"], resp["choices"][0]["token_ids"]
+
+
+def check_batch(server, offline) -> None:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = list(pool.map(lambda p: complete(server, p), PROMPTS))
+    for prompt_ids, tokens in answers:
+        assert tokens == offline(prompt_ids, MAX_TOKENS)
+
+
+def scale(server, **sizes: int) -> str:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "scale", "--address", server.ray_address]
+    for pool, n in sizes.items():
+        cmd += [f"--{pool}", str(n)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for pool, n in sizes.items():
+        assert f"{pool}={n}" in done.stdout, done.stdout
+    return done.stdout
+
+
+def test_two_prefill_workers_and_one_decode_worker(server, offline):
+    scale(server, prefill=2, decode=1)  # fixed pools from here on
+    wait_for_replicas(server, {"prefill": 2, "decode": 1})
+    before = server.metrics()
+    check_batch(server, offline)
+    m = server.metrics()
+    route = 'splitserve_requests_total{outcome="ok",route="disaggregated"}'
+    assert m[route] - before.get(route, 0) == len(PROMPTS)
+    server.wait_all_blocks_free()
+
+
+def test_resized_to_one_prefill_and_two_decode_workers_while_serving(server, offline):
+    answers: list[tuple[list[int], list[int]]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def client(prompt: str) -> None:
+        while not stop.is_set():
+            try:
+                answers.append(complete(server, prompt))
+            except BaseException as e:  # a failed request fails the test below
+                errors.append(e)
+                return
+
+    clients = [threading.Thread(target=client, args=(p,)) for p in PROMPTS[:3]]
+    for t in clients:
+        t.start()
+    try:
+        scale(server, prefill=1, decode=2)  # in place: the other replicas keep serving
+        wait_for_replicas(server, {"prefill": 1, "decode": 2})
+        during, deadline = len(answers), time.monotonic() + 60
+        while len(answers) < during + 3 and not errors:  # by the resized pools too
+            assert time.monotonic() < deadline, "no answers after the resize"
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(timeout=120)
+    assert not errors, errors
+    for prompt_ids, tokens in answers:
+        assert tokens == offline(prompt_ids, MAX_TOKENS)
+    check_batch(server, offline)
+    server.wait_all_blocks_free()
