@@ -127,11 +127,13 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self) -> Response:
-        snapshot = await self.board.snapshot.remote()
-        live = {pool: 0 for pool, handle in self.pools.items() if handle is not None}
-        for pool, _ in snapshot.values():
-            if pool != INGRESS:
-                live[pool] = live.get(pool, 0) + 1
+        # The engines this replica can route to now (connected, not stalled, not draining):
+        # ready means a request sent now finds a worker, not that a replica exists.
+        live = {
+            pool: len(self.workers.ranked(pool))
+            for pool, handle in self.pools.items()
+            if handle is not None
+        }
         can_serve = live.get("mixed", 0) > 0 or (
             live.get("prefill", 0) > 0 and live.get("decode", 0) > 0
         )
