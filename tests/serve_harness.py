@@ -141,6 +141,14 @@ def mixed_pool_config(
     }
 
 
+# No usage reports; and a leaving ingress replica stays reachable 1 s (Ray Serve's HAProxy
+# mode waits 30 s by default for load balancers to deregister it): the whole server stops.
+TEST_RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+}
+
+
 @contextlib.contextmanager
 def serving(config: dict, directory: Path, startup_s: float = 180.0) -> Iterator[Server]:
     """Run ``splitserve serve`` on ``config`` (a free port is filled in) until the block ends.
@@ -152,7 +160,7 @@ def serving(config: dict, directory: Path, startup_s: float = 180.0) -> Iterator
     path = directory / "serve.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))
     name = config["served_model_name"]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **TEST_RAY_ENV, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--config", str(path)],
         stdout=subprocess.PIPE,

@@ -21,7 +21,13 @@ import time
 import pytest
 
 from tests import checkpoints
-from tests.serve_harness import Server, offline_greedy, one_prefill_one_decode_config, serving
+from tests.serve_harness import (
+    TEST_RAY_ENV,
+    Server,
+    offline_greedy,
+    one_prefill_one_decode_config,
+    serving,
+)
 
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 256
@@ -293,7 +299,7 @@ def test_killed_prefill_engine_with_a_queued_request_frees_the_decode_reservatio
 
 def test_scale_to_a_mixed_worker_alone(server, offline):
     # The cluster `serve` started uses Ray's token authentication (the token is in ~/.ray).
-    address_env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    address_env = {**os.environ, **TEST_RAY_ENV, "RAY_AUTH_MODE": "token"}
     cmd = [sys.executable, "-m", "splitserve.cluster.cli", "scale"]
     done = subprocess.run(
         [*cmd, "--address", server.ray_address, "--prefill", "0", "--decode", "0", "--mixed", "1"],

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from tests import checkpoints
-from tests.serve_harness import offline_greedy, one_prefill_one_decode_config, serving
+from tests.serve_harness import TEST_RAY_ENV, offline_greedy, one_prefill_one_decode_config, serving
 from tests.test_serve import LONG_PROMPT, SHORT_PROMPT, _completion, check_disconnect_frees_kv
 
 pytestmark = pytest.mark.slow
@@ -92,7 +92,7 @@ def test_the_ingress_runs_the_configured_replicas(server):
         "d = serve.status().applications['splitserve'].deployments['ingress']; "
         "print(json.dumps({str(k): v for k, v in d.replica_states.items()}))"
     )
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    env = {**os.environ, **TEST_RAY_ENV, "RAY_AUTH_MODE": "token"}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     states = json.loads(out.stdout.strip().splitlines()[-1])

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests import checkpoints
-from tests.serve_harness import offline_greedy, one_prefill_one_decode_config, serving
+from tests.serve_harness import TEST_RAY_ENV, offline_greedy, one_prefill_one_decode_config, serving
 
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 512
@@ -162,7 +162,7 @@ def check_batch(server, offline) -> None:
 
 
 def scale(server, **sizes: int) -> str:
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token"}
+    env = {**os.environ, **TEST_RAY_ENV, "RAY_AUTH_MODE": "token"}
     cmd = [sys.executable, "-m", "splitserve.cluster.cli", "scale", "--address", server.ray_address]
     for pool, n in sizes.items():
         cmd += [f"--{pool}", str(n)]
