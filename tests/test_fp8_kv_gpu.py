@@ -75,7 +75,7 @@ def test_flashinfer_backend_reads_fp8_like_torch(step, scales_set, split_kv):
         steps, first = [], 1
         for new, cached in STEPS[step]:
             n = -(-(new + cached) // BLOCK)
-            steps.append(StepRequest([1] * new, cached, list(range(first, first + n))))
+            steps.append(StepRequest([1] * new, cached, list(range(first, first + n)), True))
             first += n
         tokens = sum(new for new, _ in STEPS[step])
         q = torch.randn(tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
