@@ -145,9 +145,6 @@ def serve_main(args: argparse.Namespace) -> int:
         print(f"splitserve serve: {e}", flush=True)
         shutil.rmtree(run_dir, ignore_errors=True)
         return 2
-    if not started_ray and config.http.proxy == "haproxy":
-        names = " ".join(f"{k}={v}" for k, v in HAPROXY_ENV.items())
-        notes.append(f"http.proxy: haproxy needs the cluster started with {names}")
     for note in notes:
         print(f"splitserve: {note}", flush=True)
     os.environ.update(env)  # the Ray instance started here inherits it
@@ -158,6 +155,8 @@ def serve_main(args: argparse.Namespace) -> int:
     )
     try:
         check_node_gpus(config, ray.nodes())
+        if not started_ray and config.http.proxy == "haproxy":
+            _check_cluster_haproxy_env(HAPROXY_ENV)
     except ValueError as e:
         print(f"splitserve serve: {e}", flush=True)
         if started_ray:
@@ -187,6 +186,25 @@ def serve_main(args: argparse.Namespace) -> int:
             ray.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
     return 0
+
+
+def _check_cluster_haproxy_env(expected: dict[str, str]) -> None:
+    """``http.proxy: haproxy`` on a cluster started elsewhere: its Ray must have been
+    started with Ray Serve's HAProxy settings (a task reads them off a worker)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def read_env(names: list[str]) -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in names}
+
+    seen = ray.get(read_env.remote(list(expected)), timeout=60)
+    missing = {k: v for k, v in expected.items() if seen.get(k) != v}
+    if missing:
+        names = " ".join(f"{k}={v}" for k, v in missing.items())
+        raise ValueError(
+            f"http.proxy: haproxy needs the cluster's Ray started with {names} (ray start "
+            "reads them; cluster/launch/ sets them), or http.proxy: serve in the config"
+        )
 
 
 def scale_main(args: argparse.Namespace) -> int:

