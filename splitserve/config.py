@@ -375,12 +375,6 @@ class EngineConfig:
         self.limits.check()
         if self.speculative_config is not None:
             self.speculative_config.check()
-            if self.parallel.expert_parallel_size > 1:
-                raise ValueError(
-                    "speculative_config with parallel.expert_parallel_size="
-                    f"{self.parallel.expert_parallel_size} is not supported yet: the MTP "
-                    "layer's MoE would need the group's dispatch; use one of them"
-                )
 
     @property
     def num_speculative_tokens(self) -> int:

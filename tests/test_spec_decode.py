@@ -110,8 +110,8 @@ def test_speculative_config_has_one_spelling():
         EngineConfig.from_dict({"speculative_config": {"num_speculative_tokens": 0}})
     with pytest.raises(ValueError, match="method='eagle': must be one of mtp"):
         EngineConfig.from_dict({"speculative_config": {"method": "eagle"}})
-    with pytest.raises(ValueError, match="expert_parallel_size=2 is not supported yet"):
-        EngineConfig.from_dict({"speculative_config": {}, "parallel": {"expert_parallel_size": 2}})
+    both = {"speculative_config": {}, "parallel": {"expert_parallel_size": 2}}
+    assert EngineConfig.from_dict(both).num_speculative_tokens == 1  # MTP with EP
 
 
 def test_a_model_without_an_mtp_layer_is_refused_at_start_up(tmp_path, random_glm):

@@ -76,7 +76,7 @@ def start_group(
     size = config.parallel.expert_parallel_size
     if size == 1 or member is not None:
         return None, member
-    check_expert_parallel(size, hf_config, device)  # (MTP with N > 1: EngineConfig refuses)
+    check_expert_parallel(size, hf_config, device)
     front = GroupFront(
         config,
         device,

@@ -25,7 +25,13 @@ from splitserve.scheduler.request import PLACEHOLDER, Request
 from splitserve.scheduler.scheduler import SchedulerOutput, will_sample
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
-from splitserve.workers.parallel.lockstep import GroupStep, Lockstep, StepHeader, dummy_step
+from splitserve.workers.parallel.lockstep import (
+    GroupStep,
+    Lockstep,
+    StepHeader,
+    agree_drafts,
+    dummy_step,
+)
 from splitserve.workers.runner.cuda_graphs.decode_runner import DecodeGraphRunner
 from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.cuda_graphs.owner import GraphOwner
@@ -40,7 +46,11 @@ from splitserve.workers.runner.input_batch import (
 )
 from splitserve.workers.runner.step_plan import plan_forward
 from splitserve.workers.sampling.sampler import SampledTokens, Sampler, TokenLogprobs
-from splitserve.workers.spec_decode.speculator import SpeculativeResult, Speculator
+from splitserve.workers.spec_decode.speculator import (
+    SpeculativeResult,
+    Speculator,
+    num_draft_rows,
+)
 
 
 @dataclass
@@ -164,7 +174,13 @@ class ModelRunner:
         ):
             return
         self.draft_graphs = DraftGraphRunner(
-            self.model, backend, self.kv_cache, sizes, max_blocks, self.device
+            self.model,
+            backend,
+            self.kv_cache,
+            sizes,
+            max_blocks,
+            self.device,
+            expert_parallel=self.lockstep is not None,
         )
         owner.register(self.draft_graphs)
 
@@ -233,22 +249,27 @@ class ModelRunner:
         first pass then replays a draft graph over the same rows."""
         rows = decode_rows(steps)
         graphs = self.decode_graphs if on_layer_stored is None else None
+        replay = rows is not None and graphs is not None and graphs.can_run_steps(rows)
+        group = self._group_step(steps, replay, num_draft_rows(batch.requests, steps))
         target: ForwardBatch | list[StepRequest]
-        if rows is not None and graphs is not None and graphs.can_run_steps(rows):
+        if replay and (group is None or group.graph_size is not None):
             self.capture_graphs()
-            hidden, _ = graphs.replay_steps(rows, [-1] * len(rows), None)
+            size = group.graph_size if group is not None else None
+            hidden, _ = graphs.replay_steps(rows, [-1] * len(rows), None, size)
             target = rows  # the drafter's first pass runs over the same rows
         else:
             target = build_forward_batch(
                 steps, self.kv_cache, self.attn_backend, self.device, plan=False
             )
             target.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
-            hidden = self.forward(target)
-        # The step's graph decision, made once, goes to the drafter.
+            hidden = self.forward(target, group=group)
+        # The step's graph decision, made once, goes to the drafter (with expert
+        # parallelism the group's: every rank runs the same drafter passes).
         draft_graphs = self.draft_graphs if on_layer_stored is None else None
         if draft_graphs is not None:
             self.capture_graphs()
-        spec = self.speculator.run(target, hidden, batch.requests, steps, draft_graphs)
+        drafts = agree_drafts(group, self._draft_sizes()) if group is not None else None
+        spec = self.speculator.run(target, hidden, batch.requests, steps, draft_graphs, drafts)
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         num_tokens = sum(len(s.new_token_ids) for s in steps)
         decode = sum(
@@ -279,27 +300,37 @@ class ModelRunner:
 
     # -- expert parallelism ----------------------------------------------------
 
-    def _group_step(self, steps: list[StepRequest], replay: bool) -> GroupStep | None:
+    def _group_step(
+        self, steps: list[StepRequest], replay: bool, draft_rows: int = 0
+    ) -> GroupStep | None:
         """The group's agreement on this step (None: no expert parallelism)."""
         if self.lockstep is None:
             return None
-        return self.lockstep.exchange(StepHeader.of(steps, replay), self._graph_sizes())
+        header = StepHeader.of(steps, replay, draft_rows)
+        return self.lockstep.exchange(header, self._graph_sizes())
 
     def _graph_sizes(self) -> list[int]:
         return self.decode_graphs.sizes if self.decode_graphs is not None else []
 
+    def _draft_sizes(self) -> list[int]:
+        return self.draft_graphs.sizes if self.draft_graphs is not None else []
+
     @torch.inference_mode()
     def idle_step(self) -> None:
         """A rank of an expert-parallel group with no work: its part of the group's step,
-        a dummy forward (padding rows only, nothing stored or sent) if any rank has work."""
+        a dummy forward (padding rows only, nothing stored or sent) if any rank has work,
+        and with the MTP drafter its dummy drafter passes."""
         group = self.lockstep.exchange(StepHeader.idle(), self._graph_sizes())
         if not group.runs:
             return
         if group.graph_size is not None:
             self.capture_graphs()
             self.decode_graphs.replay_padding(group.graph_size)
-            return
-        self.forward(dummy_step(self.kv_cache, self.attn_backend, self.device), group=group)
+        else:
+            self.forward(dummy_step(self.kv_cache, self.attn_backend, self.device), group=group)
+        if self.speculator is not None:
+            drafts = agree_drafts(group, self._draft_sizes())
+            self.speculator.proposer.idle(drafts, self.draft_graphs)
 
     # -- weights -------------------------------------------------------------
 

@@ -18,6 +18,12 @@ lookahead slots); the next step's first pass overwrites it with KV from the
 target's hidden states. A chained position past the request's block table (only
 near the context length, where the scheduler trims the drafts anyway) stores
 nothing. Drafts are greedy (the MTP head's argmax).
+
+Under expert parallelism the MTP layer's MoE is a group collective: every rank runs
+the passes the group agreed on (``lockstep.DraftSteps``), in its mode and capacity,
+replaying a draft graph exactly where the group does; a rank without rows in a pass
+(no work at all: ``idle``; no request to draft for: the chained passes) runs a dummy
+one.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch import nn
 
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.parallel.lockstep import DraftSteps, GroupStep, dummy_step
 from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch, to_device
@@ -68,43 +75,83 @@ class MTPProposer:
         next_token_ids: list[int],
         draft_rows: list[int],
         graphs: DraftGraphRunner | None = None,
+        group: DraftSteps | None = None,
     ) -> list[list[int]]:
         """Drafts for the requests whose last emitted token sits at ``draft_rows`` of the
         target's step (hidden states ``hidden``); ``next_token_ids``: the token after each
         row. ``step``: the eager batch the target ran, or its decode rows (one a token)
         when the target replayed a decode graph; ``graphs``: the step may replay the
         drafter's graphs (the runner's decision for the step): the first pass over decode
-        rows and the chained steps. Returns ``K`` drafts per draft row (waits for the
-        device)."""
+        rows and the chained steps; ``group``: the expert-parallel group's passes, which
+        decide instead. Returns ``K`` drafts per draft row (waits for the device)."""
         device = hidden.device
         ids = to_device(next_token_ids, device)
-        use_graphs = graphs is not None and graphs.can_draft(len(draft_rows))
+        first_step = group.first if group is not None else None
         if isinstance(step, list):
             positions = [r.num_computed for r in step]
             blocks = [r.block_ids for r in step]
-            mtp_hidden, first = self._first_pass_rows(ids, hidden, positions, blocks, graphs)
+            mtp_hidden, first = self._first_pass_rows(
+                ids, hidden, positions, blocks, graphs, first_step
+            )
         else:
             positions, blocks = _rows_at(step, draft_rows)
             mtp_hidden, first = self._first_pass(ids, hidden, step)
+        chain_step = group.chain if group is not None else None
         if not draft_rows:
+            self._dummy_chain(chain_step, graphs)
             return []
+        if group is not None and chain_step is None:
+            raise RuntimeError("a rank drafts in a group step whose drafter runs no chain")
         rows = to_device(draft_rows, device)
         mtp_hidden, drafts = mtp_hidden[rows], [first[rows]]
         if isinstance(step, list):
             positions = [positions[r] for r in draft_rows]
             blocks = [blocks[r] for r in draft_rows]
+        use_graphs = graphs is not None and graphs.can_draft(len(draft_rows))
+        size = None
+        if chain_step is not None:  # the group decides, one size for every rank
+            use_graphs, size = chain_step.graph_size is not None, chain_step.graph_size
         for _ in range(1, self.num_speculative_tokens):
             positions = [p + 1 for p in positions]
             covered, slots = self._chain_slots(positions, blocks)
             if use_graphs:
-                mtp_hidden, draft = graphs.draft(drafts[-1], mtp_hidden, covered, slots, blocks)
+                mtp_hidden, draft = graphs.draft(
+                    drafts[-1], mtp_hidden, covered, slots, blocks, size
+                )
                 drafts.append(draft.clone())  # the next replay overwrites the graph's output
                 continue
-            chain = self._chain_batch(covered, slots, blocks, device)
+            chain = self._chain_batch(covered, slots, blocks, device, chain_step)
             chain.input_ids.copy_(drafts[-1])
             mtp_hidden = self.model.mtp_forward(chain.input_ids, chain.positions, mtp_hidden, chain)
             drafts.append(self._greedy(mtp_hidden))
         return torch.stack(drafts, dim=1).tolist()
+
+    # -- expert parallelism: the passes of a rank without rows ---------------------------
+
+    @torch.inference_mode()
+    def idle(self, group: DraftSteps, graphs: DraftGraphRunner | None) -> None:
+        """A rank with no work in a group step that runs: its dummy drafter passes."""
+        self._dummy_pass(group.first, graphs)
+        self._dummy_chain(group.chain, graphs)
+
+    def _dummy_chain(self, chain: GroupStep | None, graphs: DraftGraphRunner | None) -> None:
+        if chain is None:
+            return
+        for _ in range(1, self.num_speculative_tokens):
+            self._dummy_pass(chain, graphs)
+
+    def _dummy_pass(self, step: GroupStep, graphs: DraftGraphRunner | None) -> None:
+        """One padding row through the MTP layer (nothing stored or sent), or a draft graph
+        replayed with padding only where the group replays one."""
+        if step.graph_size is not None:
+            graphs.replay_padding(step.graph_size)
+            return
+        embed = self.model.mtp.embed_tokens.weight
+        fb = dummy_step(self.kv_cache, self.attn_backend, embed.device)
+        plan_forward(fb)
+        step.plan(fb)
+        hidden = torch.zeros(1, embed.shape[1], dtype=embed.dtype, device=embed.device)
+        self.model.mtp_forward(fb.input_ids, fb.positions, hidden, fb)
 
     def _first_pass(
         self, ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch
@@ -122,15 +169,23 @@ class MTPProposer:
         positions: list[int],
         blocks: list[list[int]],
         graphs: DraftGraphRunner | None,
+        group: GroupStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first pass over decode rows (a graph-replayed decode or verify step): one
-        draft-graph replay where a graph holds the rows, else eager over the same rows."""
-        if graphs is not None and graphs.can_draft(len(positions)):
+        draft-graph replay where a graph holds the rows (``group``: where the group
+        replays one), else eager over the same rows."""
+        replay = graphs is not None and graphs.can_draft(len(positions))
+        if group is not None:
+            replay = group.graph_size is not None
+        if replay:
             _, slots = self._chain_slots(positions, blocks)
-            mtp_hidden, draft = graphs.draft(ids, hidden, positions, slots, blocks)
+            size = group.graph_size if group is not None else None
+            mtp_hidden, draft = graphs.draft(ids, hidden, positions, slots, blocks, size)
             return mtp_hidden, draft
         steps = [StepRequest([0], p, b, sample=True) for p, b in zip(positions, blocks)]
         fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, hidden.device)
+        if group is not None:
+            group.plan(fb)
         return self._first_pass(ids, hidden, fb)
 
     def _greedy(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
@@ -150,14 +205,22 @@ class MTPProposer:
         return covered, slots
 
     def _chain_batch(
-        self, positions: list[int], slots: list[int], blocks: list[list[int]], device: torch.device
+        self,
+        positions: list[int],
+        slots: list[int],
+        blocks: list[list[int]],
+        device: torch.device,
+        group: GroupStep | None = None,
     ) -> ForwardBatch:
-        """One row a request at ``positions`` (token ids filled in on the device)."""
+        """One row a request at ``positions`` (token ids filled in on the device);
+        ``group``: the expert-parallel group's chained pass (its MoE dispatch)."""
         steps = [StepRequest([0], p, b, sample=True) for p, b in zip(positions, blocks)]
         fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, device)
         beyond = [i for i, s in enumerate(slots) if s < 0]
         if beyond:
             fb.slot_mapping[to_device(beyond, device)] = -1
+        if group is not None:
+            group.plan(fb)
         return fb
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.scheduler.request import Request
+from splitserve.workers.parallel.lockstep import DraftSteps
 from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import StepRequest, to_device
@@ -59,10 +60,12 @@ class Speculator:
         requests: list[Request],
         steps: list[StepRequest],
         draft_graphs: DraftGraphRunner | None = None,
+        group: DraftSteps | None = None,
     ) -> SpeculativeResult:
         """Verify or sample, then draft (``target``: the target's eager batch, or its decode
         rows when it replayed a decode graph; ``draft_graphs``: the step may replay the
-        drafter's graphs); waits for the device."""
+        drafter's graphs; ``group``: the expert-parallel group's drafter passes); waits
+        for the device."""
         starts = [0]
         for s in steps:
             starts.append(starts[-1] + len(s.new_token_ids))
@@ -77,14 +80,14 @@ class Speculator:
                 base = len(ids) - 1 - step.num_drafts
                 emitted = runs[i].token_ids
                 following[base : base + len(emitted)] = emitted
-                if drafts_allowed(request):
+                if drafts_after(request, step):
                     draft_rows.append(starts[i] + base + len(emitted) - 1)
                     drafted.append(request.request_id)
             else:  # a prompt chunk: the next prompt token follows it
                 end = step.num_computed + len(ids)
                 following[-1] = request.token_ids_between(end, end + 1)[0]
             next_ids += following
-        drafts = self.proposer.propose(target, hidden, next_ids, draft_rows, draft_graphs)
+        drafts = self.proposer.propose(target, hidden, next_ids, draft_rows, draft_graphs, group)
         return SpeculativeResult(
             runs={requests[i].request_id: run for i, run in runs.items()},
             drafts=dict(zip(drafted, drafts)),
@@ -122,3 +125,14 @@ class Speculator:
             )
             runs.update(zip(verifying, verified))
         return dict(sorted(runs.items()))
+
+
+def drafts_after(request: Request, step: StepRequest) -> bool:
+    """Whether the drafter drafts for ``request`` after its step: it samples in the step
+    and may verify drafts."""
+    return step.sample and drafts_allowed(request)
+
+
+def num_draft_rows(requests: list[Request], steps: list[StepRequest]) -> int:
+    """The rows of the drafter's chained passes after this step (one a drafted request)."""
+    return sum(drafts_after(r, s) for r, s in zip(requests, steps))

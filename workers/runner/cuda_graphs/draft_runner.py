@@ -19,6 +19,11 @@ Before every replay every static input is written, the padding rows too: padded
 rows get input id 0, position 0, slot -1 (the KV store skips them), a zero
 previous hidden state, and attend ``PAD_SEQ_LEN`` keys of block 0, the null page.
 The outputs are trimmed to the real rows.
+
+Under expert parallelism (``expert_parallel``) the MTP layer's MoE dispatches across
+the group: each size is captured in DECODE mode with itself as capacity, every rank
+replays the size the group agreed on (``draft``'s ``size``), and a rank without rows
+replays padding (``replay_padding``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from torch import nn
 from splitserve.scheduler.block_manager import NULL_BLOCK
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.parallel.dispatch import DispatchMode, MoEDispatch
 from splitserve.workers.runner.cuda_graphs.decode_runner import static_decode_batch
 from splitserve.workers.runner.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner, bucket
 from splitserve.workers.runner.forward_batch import ForwardBatch
@@ -61,11 +67,13 @@ class DraftGraphRunner:
         sizes: list[int],
         max_blocks_per_seq: int,
         device: torch.device,
+        expert_parallel: bool = False,
     ):
         self.model, self.attn_backend, self.kv_cache = model, attn_backend, kv_cache
         self.sizes = sorted(sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
+        self.expert_parallel = expert_parallel
         self._graphs: dict[int, DraftGraph] = {}
         self._buffers: dict[str, torch.Tensor] = {}
 
@@ -123,6 +131,9 @@ class DraftGraphRunner:
         fb = self._static_batch(size)
         self.attn_backend.prepare_capture(size, fb)
         fb.plan = plan_step(fb)
+        if self.expert_parallel:
+            dispatch = MoEDispatch(DispatchMode.DECODE, size, fb.slot_mapping)
+            fb.plan = dataclasses.replace(fb.plan, moe_dispatch=dispatch)
         self._draft_step(fb)  # warm-up: JIT kernels, cuBLAS handles
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -146,10 +157,13 @@ class DraftGraphRunner:
         positions: list[int],
         slots: list[int],
         block_ids: list[list[int]],
+        size: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step for ``len(positions)`` rows: (MTP hidden, drafts)."""
+        """One draft step for ``len(positions)`` rows: (MTP hidden, drafts). ``size``: the
+        captured size to replay (expert parallelism: the group's); None: the smallest that
+        holds the rows."""
         n = len(positions)
-        size = bucket(self.sizes, n)
+        size = size or bucket(self.sizes, n)
         captured = self._graphs[size]
         seq_lens = [p + 1 for p in positions]
         self.fill(size, input_ids, previous_hidden, positions, slots, seq_lens, block_ids)
@@ -159,11 +173,18 @@ class DraftGraphRunner:
         captured.graph.replay()
         return captured.hidden[:n], captured.draft[:n]
 
+    def replay_padding(self, size: int) -> None:
+        """Replay ``size`` with every row padding: a rank without rows in a drafter pass
+        the group replays (its MoE layer sends nothing and receives its share)."""
+        self.fill(size, None, None, [], [], [], [])
+        self.attn_backend.prepare_replay(size, self.padded_batch(self._graphs[size].batch, [], []))
+        self._graphs[size].graph.replay()
+
     def fill(
         self,
         size: int,
-        input_ids: torch.Tensor,
-        previous_hidden: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        previous_hidden: torch.Tensor | None,
         positions: list[int],
         slots: list[int],
         seq_lens: list[int],
@@ -171,6 +192,28 @@ class DraftGraphRunner:
     ) -> None:
         """Write rows ``[:n]`` and re-fill every padded row ``[n:size]`` (all of them, each
         replay: a stale row would read or write another request's KV)."""
+        b, n = self._buffers, len(positions)
+        if n:
+            self._fill_rows(input_ids, previous_hidden, positions, slots, seq_lens, block_ids)
+        for name, pad in (
+            ("input_ids", 0),
+            ("positions", 0),
+            ("slot_mapping", -1),
+            ("seq_lens", PAD_SEQ_LEN),
+            ("block_tables", NULL_BLOCK),
+            ("previous_hidden", 0),
+        ):
+            b[name][n:size].fill_(pad)
+
+    def _fill_rows(
+        self,
+        input_ids: torch.Tensor,
+        previous_hidden: torch.Tensor,
+        positions: list[int],
+        slots: list[int],
+        seq_lens: list[int],
+        block_ids: list[list[int]],
+    ) -> None:
         b, n, device = self._buffers, len(positions), self.device
         b["input_ids"][:n].copy_(input_ids, non_blocking=True)
         b["previous_hidden"][:n].copy_(previous_hidden, non_blocking=True)
@@ -182,15 +225,6 @@ class DraftGraphRunner:
         tables = torch.from_numpy(padded_block_tables(block_ids, dtype=np.int32))
         b["block_tables"][:n].zero_()
         b["block_tables"][:n, : tables.shape[1]].copy_(tables.to(device, non_blocking=True))
-        for name, pad in (
-            ("input_ids", 0),
-            ("positions", 0),
-            ("slot_mapping", -1),
-            ("seq_lens", PAD_SEQ_LEN),
-            ("block_tables", NULL_BLOCK),
-            ("previous_hidden", 0),
-        ):
-            b[name][n:size].fill_(pad)
 
     @staticmethod
     def padded_batch(
