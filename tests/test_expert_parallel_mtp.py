@@ -32,6 +32,7 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.workers.engine.core_process import collect_stats
 from splitserve.workers.engine.llm_engine import LLMEngine
 from splitserve.workers.parallel.dispatch import DispatchMode
+from splitserve.workers.parallel.lockstep import StepHeader, agree, agree_drafts
 from tests.mtp_checkpoints import write_glm4_moe_drafter
 
 # Placed 0, 1, 0, 1 (least loaded, ties to rank 0): rank 1's requests run longest, so
@@ -59,6 +60,45 @@ def moe_drafter_glm(tmp_path_factory):
             tensors[name] = torch.randn(value.shape, generator=g) * MTP_SCALE
     save_file(tensors, str(file), metadata={"format": "pt"})
     return path
+
+
+# ---- the drafter's passes, from the headers every rank has ------------------------------
+
+SIZES = [1, 2, 4, 8, 16]
+PRE, DEC = DispatchMode.PREFILL, DispatchMode.DECODE
+
+
+def _verify(requests: int, k: int) -> StepHeader:
+    return StepHeader(requests * (1 + k), True, True, requests)
+
+
+@pytest.mark.parametrize(
+    ("role", "headers", "draft_sizes", "first_graph", "chain"),
+    [
+        # Verifies on both ranks: the target's size for the first pass, the chain one row
+        # a drafting request, the larger rank's.
+        ("decode", [_verify(3, 2), _verify(1, 2)], SIZES, 16, (DEC, 4, 4)),
+        ("decode", [_verify(3, 2), StepHeader.idle()], SIZES, 16, (DEC, 4, 4)),
+        ("decode", [_verify(3, 2), _verify(1, 2)], [], None, (DEC, 3, None)),  # no draft graphs
+        # A prompt chunk that samples nothing: no rank drafts, no chain.
+        ("prefill", [StepHeader(12, False, False), StepHeader.idle()], [], None, None),
+        # A prompt's last chunk on one rank, verifies on the other: PREFILL, eager.
+        ("mixed", [StepHeader(9, False, False, 1), _verify(2, 1)], SIZES, None, (PRE, 2, None)),
+    ],
+)
+def test_every_rank_agrees_on_the_drafters_passes(role, headers, draft_sizes, first_graph, chain):
+    for order in (headers, headers[::-1]):
+        step = agree(role, order, SIZES)
+        drafts = agree_drafts(step, draft_sizes)
+        assert drafts.first.mode == step.mode and drafts.first.capacity == step.capacity
+        assert drafts.first.graph_size == first_graph
+        got = drafts.chain
+        assert (got and (got.mode, got.capacity, got.graph_size)) == chain
+        if got is not None:
+            assert sorted(got.num_tokens) == sorted(h.draft_rows for h in headers)
+
+
+# ---- end to end ---------------------------------------------------------------------------
 
 
 def _engine(path, ep: int, k: int, device: str = "cpu", graphs: bool = False) -> LLMEngine:
