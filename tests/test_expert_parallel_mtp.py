@@ -16,6 +16,8 @@ the eager group computes.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,6 +26,7 @@ from splitserve.config import (
     CacheConfig,
     CudaGraphConfig,
     EngineConfig,
+    KVTransferConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -101,10 +104,13 @@ def test_every_rank_agrees_on_the_drafters_passes(role, headers, draft_sizes, fi
 # ---- end to end ---------------------------------------------------------------------------
 
 
-def _engine(path, ep: int, k: int, device: str = "cpu", graphs: bool = False) -> LLMEngine:
+def _engine(
+    path, ep: int, k: int, device: str = "cpu", graphs: bool = False, role: str = "mixed"
+) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=str(path),
+            role=role,
             device=device,
             dtype="float32",
             attention_backend="torch",
@@ -114,8 +120,15 @@ def _engine(path, ep: int, k: int, device: str = "cpu", graphs: bool = False) ->
             cuda_graph=CudaGraphConfig(enabled=graphs),
             parallel=ParallelConfig(ep),
             speculative_config=SpeculativeConfig("mtp", k) if k else None,
+            kv_transfer=KVTransferConfig(transport="cpu", timeout_s=30.0),
         )
     )
+
+
+@functools.cache
+def _without_mtp(path) -> dict[str, list[int]]:
+    """EP1 without MTP: the tokens every run must give."""
+    return {rid: run[0] for rid, run in _generate(_engine(path, 1, 0)).items()}
 
 
 def _prompts() -> list[list[int]]:
@@ -154,7 +167,7 @@ def test_ep2_with_mtp_gives_the_tokens_of_ep1_without_it(checkpoint, k, request)
     """With a drafter whose MoE matters, also EP1 with MTP's drafts: per request the same
     drafts verified and accepted."""
     path = request.getfixturevalue(checkpoint)
-    want = {rid: run[0] for rid, run in _generate(_engine(path, 1, 0)).items()}
+    want = _without_mtp(path)
     ep1 = _generate(_engine(path, 1, k)) if checkpoint == "moe_drafter_glm" else None
     eng = _engine(path, 2, k)
     try:
@@ -183,6 +196,42 @@ def test_ep2_with_mtp_gives_the_tokens_of_ep1_without_it(checkpoint, k, request)
     assert idle and any(s.draft_rows[1] for s in idle)
     assert any(h.decode_only and h.num_tokens and s.mode == DispatchMode.PREFILL for h, s in seen)
     assert any(h.num_tokens > h.draft_rows > 0 for h, _ in seen)  # verify steps drafted
+
+
+def test_ep2_prefill_worker_hands_mtp_state_to_an_ep2_decode_worker(moe_drafter_glm):
+    """PD with EP and MTP K = 2 on both sides: the prefill group drafts in PREFILL mode
+    (its chained passes too) and sends the MTP layer's KV and its drafts rank to rank;
+    the decode group verifies them in DECODE mode. Tokens: EP1 without MTP's; every
+    block back on every rank of both groups."""
+    from tests.test_disaggregation import Handoff
+
+    path = moe_drafter_glm
+    want = _without_mtp(path)
+    prefill = _engine(path, 2, 2, role="prefill")
+    decode = _engine(path, 2, 2, role="decode")
+    try:
+        run = Handoff(prefill, decode)
+        for i, (prompt, n) in enumerate(zip(_prompts(), MAX_TOKENS)):
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            run.submit(f"r{i}", prompt, params)
+        run.run(timeout=120.0)
+        while prefill.has_unfinished_requests():  # the last acks
+            prefill.step()
+        groups = [collect_stats(e, 0, wait_for_experts=True) for e in (prefill, decode)]
+        modes = [e.runner.lockstep.mode_counts for e in (prefill, decode)]
+        usable = [e.block_manager.num_usable_blocks for e in (prefill, decode)]
+    finally:
+        prefill.close()
+        decode.close()
+    assert run.tokens == want
+    assert len({t.address for t in run.tickets.values()}) == 2  # both decode ranks received
+    for stats, n in zip(groups, usable):
+        assert stats.rank_free_blocks == [n, n]
+    assert set(modes[0]) <= {DispatchMode.PREFILL, None}
+    assert set(modes[1]) <= {DispatchMode.DECODE, None}
+    verified = [out.num_draft_tokens for out in run.finished.values()]
+    accepted = sum(out.num_accepted_tokens for out in run.finished.values())
+    assert all(verified) and 0 < accepted < sum(verified) == groups[1].spec_num_draft_tokens
 
 
 @pytest.mark.gpu
