@@ -96,13 +96,13 @@ def test_a_replica_failure_is_told_by_its_cause():
 
 
 def test_a_failed_deployment_prints_its_cause_once_and_exits_1(monkeypatch, capsys):
-    """serve_main around a serve.run that fails as Ray Serve's does when a replica's
+    """serve_main around a deploy that fails as Ray Serve's does when a replica's
     constructor keeps raising: the cause from serve.status(), one line, status 1, and the
     app is still torn down."""
     import ray
     from ray import serve
 
-    from splitserve.cluster import serve_command
+    from splitserve.cluster import app, serve_command
 
     cause = "ValueError: device 'cuda' was asked for, but torch sees no CUDA GPU"
     deployment = argparse.Namespace(
@@ -114,16 +114,18 @@ def test_a_failed_deployment_prints_its_cause_once_and_exits_1(monkeypatch, caps
     )
     calls = []
 
-    def failing_run(*args, **kwargs):
+    def failing_deploy(*args, **kwargs):
         raise RuntimeError(
             "Deploying application splitserve failed: "
             "Failed to update the deployments ['prefill', 'decode']."
         )
 
+    node = {"Alive": True, "Resources": {"CPU": 2.0}}
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append("init"))
+    monkeypatch.setattr(ray, "nodes", lambda: [node])
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
     monkeypatch.setattr(serve, "start", lambda **kw: None)
-    monkeypatch.setattr(serve, "run", failing_run)
+    monkeypatch.setattr(app, "deploy", failing_deploy)
     monkeypatch.setattr(serve, "status", lambda: status)
     monkeypatch.setattr(serve, "delete", lambda name: calls.append("delete"))
     monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
