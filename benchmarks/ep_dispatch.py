@@ -1,15 +1,15 @@
-"""Expert-parallel dispatch + combine on two GPUs, against the byte floor; an EP2 MoE
-decode layer against its weight-bytes floor.
+"""Expert-parallel dispatch + combine on N GPUs (``--ranks``, 2 by default), against the
+byte floor; an EP-N MoE decode layer against its weight-bytes floor.
 
-    python benchmarks/ep_dispatch.py [--tokens 1 2 4 ... 256] [--hidden 4096] [--top-k 8]
-        [--experts 128] [--layer-batch 64] [--json [PATH]] [--device cpu]
+    python benchmarks/ep_dispatch.py [--ranks 2] [--tokens 1 2 4 ... 256] [--hidden 4096]
+        [--top-k 8] [--experts 128] [--layer-batch 64] [--json [PATH]] [--device cpu]
 
-Two ranks, a process per GPU (spawned here), join a group as an engine's ranks do
+N ranks, a process per GPU (spawned here), join a group as an engine's ranks do
 (``workers/parallel/group.py``: NCCL for the data). Measured in the same run:
 
-- peer bandwidth: an equal-split all-to-all of 256 MiB a rank; half of it crosses to
-  the other GPU while the other half comes back, so the rate is ``bytes crossing one
-  way / time``;
+- peer bandwidth: an equal-split all-to-all of 256 MiB a rank; ``(N - 1) / N`` of it
+  leaves the rank while as much comes in, so the rate is ``bytes leaving a rank /
+  time``;
 - copy bandwidth (``roofline.copy_bandwidth_gbps``), the layer floor's denominator.
 
 Per tokens-a-rank T (top-k routing drawn uniformly over the experts):
@@ -19,16 +19,16 @@ Per tokens-a-rank T (top-k routing drawn uniformly over the experts):
 - ``decode`` mode: dispatch + combine at capacity T, captured in one CUDA graph and
   replayed.
 
-Floor: the bytes that must cross to the other rank (each token with a choice there
-once, packed: hidden, ids, weights; and its partial sum coming back, in
+Floor: the bytes that must leave a rank (each token once to each other rank that holds
+one of its choices, packed: hidden, ids, weights; and its partial sum coming back, in
 ``dispatch.PART_DTYPE``) at the peer bandwidth.
 DECODE mode moves its whole capacity (``sent MiB``); ``all-to-alls us`` is its two
 exchanges alone on buffers of its sizes (what the packing and summing add is the
 difference). Times are the slower rank's.
 
 The layer: GLM-4.5-Air's MoE (hidden 4096, 128 routed experts of 1408, top-8 of one
-group, one shared expert), ``--layer-batch`` tokens a rank, EP2 in DECODE mode: router,
-dispatch, the rank's 64 experts, combine, shared expert, replayed from one CUDA graph.
+group, one shared expert), ``--layer-batch`` tokens a rank, EP-N in DECODE mode: router,
+dispatch, the rank's 128 / N experts, combine, shared expert, replayed from one CUDA graph.
 Floor: the weights it reads (its experts that got a token, the shared expert, the
 router) at the copy bandwidth. ``--json`` writes ``docs/perf/ep_dispatch_<device>.json``.
 ``--device cpu`` runs the same code over gloo (small sizes: a check, not a measurement).
@@ -66,15 +66,15 @@ from splitserve.workers.parallel.group import (
 from splitserve.workers.runner.step_plan import StepPlan
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-RANKS = 2
 PEER_PROBE_BYTES = 256 << 20
 DTYPE = torch.bfloat16
 LAYER = {"hidden": 4096, "experts": 128, "intermediate": 1408, "top_k": 8, "shared": 1408}
-TARGETS = {"decode_us_at_128": 60.0, "layer_over_floor": 1.3}  # issue 29, EP2 over NVLink
+TARGETS = {"decode_us_at_128": 60.0, "layer_over_floor": 1.3}  # EP2 over NVLink
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="expert-parallel size")
     p.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--top-k", type=int, default=8)
@@ -83,10 +83,12 @@ def main() -> None:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--json", nargs="?", const="", default=None, help="write the report")
     args = p.parse_args()
-    if args.device == "cuda" and torch.cuda.device_count() < RANKS:
-        raise SystemExit(f"needs {RANKS} GPUs, this host has {torch.cuda.device_count()}")
+    if args.experts % args.ranks or LAYER["experts"] % args.ranks:
+        raise SystemExit(f"--ranks {args.ranks} must divide the experts ({args.experts})")
+    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+        raise SystemExit(f"needs {args.ranks} GPUs, this host has {torch.cuda.device_count()}")
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(rank_main, args=(free_address(), vars(args), results), nprocs=RANKS)
+    mp.spawn(rank_main, args=(free_address(), vars(args), results), nprocs=args.ranks)
     report(results.get(), args)
 
 
@@ -95,8 +97,8 @@ def rank_main(rank: int, address: str, args: dict, results) -> None:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    group = join_group(rank, RANKS, address, device)
-    bench = Bench(group, device, cuda)
+    group = join_group(rank, args["ranks"], address, device)
+    bench = Bench(group, device, cuda, args["ranks"])
     peer_gbps = bench.slowest(bench.peer_bandwidth_gbps(), larger_is_slower=False)
     copy_gbps = roofline.copy_bandwidth_gbps(device) if cuda else None
     rows = [bench.dispatch_row(t, args, peer_gbps) for t in args["tokens"]]
@@ -108,8 +110,8 @@ def rank_main(rank: int, address: str, args: dict, results) -> None:
 
 
 class Bench:
-    def __init__(self, group, device: torch.device, cuda: bool):
-        self.group, self.device, self.cuda = group, device, cuda
+    def __init__(self, group, device: torch.device, cuda: bool, ranks: int):
+        self.group, self.device, self.cuda, self.ranks = group, device, cuda, ranks
 
     # -- timing ------------------------------------------------------------------------
 
@@ -129,9 +131,9 @@ class Bench:
     def slowest(self, value: float, larger_is_slower: bool = True) -> float:
         """The slower rank's figure (the group waits for it)."""
         mine = torch.tensor([value], dtype=torch.float64)
-        both = [torch.empty_like(mine) for _ in range(RANKS)]
-        self.group.control.allgather([both], [mine]).wait()
-        values = [float(v) for v in both]
+        every = [torch.empty_like(mine) for _ in range(self.ranks)]
+        self.group.control.allgather([every], [mine]).wait()
+        values = [float(v) for v in every]
         return max(values) if larger_is_slower else min(values)
 
     def graphed(self, fn):
@@ -153,15 +155,19 @@ class Bench:
         dst = torch.empty_like(src)
         opts = dist.AllToAllOptions()
         us = self.time_us(lambda: self.group.data.alltoall_base(dst, src, [], [], opts).wait())
-        return nbytes / RANKS / us / 1e3  # the half that crosses, one way, GB/s
+        leaving = nbytes * (self.ranks - 1) / self.ranks
+        return leaving / us / 1e3  # GB/s out of one rank (as much comes in)
 
     def dispatch_row(self, tokens: int, args: dict, peer_gbps: float) -> dict:
         hidden, top_k, experts = args["hidden"], args["top_k"], args["experts"]
-        dispatcher = Dispatcher(self.group.data, self.group.rank, RANKS, experts // RANKS)
+        n, rank = self.ranks, self.group.rank
+        dispatcher = Dispatcher(self.group.data, rank, n, experts // n)
         x, weights, ids = self.routed(tokens, hidden, top_k, experts, seed=tokens)
         layout = RowLayout(hidden, top_k, DTYPE)
-        owner = ids // (experts // RANKS)
-        crossing = int((owner != self.group.rank).any(dim=1).sum())  # rows to the peer
+        owner = ids // (experts // n)
+        # (token, other rank holding one of its choices): the packed rows that leave
+        sent = [(owner == r).any(dim=1) for r in range(n) if r != rank]
+        crossing = int(torch.stack(sent).sum()) if sent else 0
         crossing = max(crossing, int(self.slowest(crossing)))
         part = dispatcher.part_dtype  # what the experts' sums travel back in
         back_bytes = hidden * part.itemsize
@@ -177,16 +183,17 @@ class Bench:
             run = self.graphed(both)[0] if mode == DispatchMode.DECODE else both
             row[f"{mode.value}_us"] = self.slowest(self.time_us(run))
         row["all_to_all_us"] = self.slowest(self.time_us(self.bare_exchange(tokens, layout)))
-        row["decode_sent_mib"] = tokens * (layout.bytes + back_bytes) / 2**20
+        # DECODE mode sends its whole capacity (``tokens`` rows) to every other rank
+        row["decode_sent_mib"] = (n - 1) * tokens * (layout.bytes + back_bytes) / 2**20
         row["floor_mib"] = floor_bytes / 2**20
         return row
 
     def bare_exchange(self, tokens: int, layout: RowLayout):
         """DECODE mode's two all-to-alls alone, on buffers of its sizes (graphed)."""
         opts = dist.AllToAllOptions()
-        send = torch.zeros(RANKS * tokens, layout.bytes, dtype=torch.uint8, device=self.device)
+        send = torch.zeros(self.ranks * tokens, layout.bytes, dtype=torch.uint8, device=self.device)
         part = PART_DTYPE
-        sums = torch.zeros(RANKS * tokens, layout.hidden, dtype=part, device=self.device)
+        sums = torch.zeros(self.ranks * tokens, layout.hidden, dtype=part, device=self.device)
         got, back = torch.empty_like(send), torch.empty_like(sums)
 
         def exchange():
@@ -205,7 +212,7 @@ class Bench:
     def layer_row(self, batch: int, copy_gbps: float | None) -> dict:
         c = LAYER if self.cuda else {**LAYER, "hidden": 256, "intermediate": 64, "shared": 64}
         h, e, i, k = c["hidden"], c["experts"], c["intermediate"], c["top_k"]
-        shard = expert_shard(self.group.rank, RANKS, e)
+        shard = expert_shard(self.group.rank, self.ranks, e)
         with torch.device(self.device):
             torch.set_default_dtype(DTYPE)
             router = GroupedTopKRouter(h, e, k, 1, 1, True, 1.0)
@@ -243,7 +250,7 @@ def report(result: dict, args: argparse.Namespace) -> None:
     print(
         f"peer bandwidth {result['peer_gbps']:.1f} GB/s one way; copy bandwidth "
         f"{result['copy_gbps'] or 0:.0f} GB/s; hidden {args.hidden}, top-{args.top_k} of "
-        f"{args.experts} experts, EP{RANKS}",
+        f"{args.experts} experts, EP{args.ranks}",
         flush=True,
     )
     columns = ["tokens/rank", "prefill us", "decode us", "all-to-alls us", "floor us"]
@@ -262,8 +269,8 @@ def report(result: dict, args: argparse.Namespace) -> None:
         ["MoE decode layer", "batch/rank", "experts hit", "weights MiB", "us", "floor us", "x"],
         [
             [
-                "GLM-4.5-Air EP2", layer["batch"], layer["experts_hit"], layer["weight_mib"],
-                layer["us"], layer["floor_us"], layer["over_floor"],
+                f"GLM-4.5-Air EP{args.ranks}", layer["batch"], layer["experts_hit"],
+                layer["weight_mib"], layer["us"], layer["floor_us"], layer["over_floor"],
             ]
         ],
     )  # fmt: skip
