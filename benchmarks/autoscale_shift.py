@@ -32,7 +32,13 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_process import default_config_path, git_commit, host_info, served  # noqa: E402
+from serve_process import (  # noqa: E402
+    default_config_path,
+    git_commit,
+    host_info,
+    metric_values,
+    served,
+)
 
 POOLS = ("prefill", "decode")
 AUTOSCALING = {
@@ -98,17 +104,6 @@ def run_phase(url: str, kind: str, seconds: float, args, statuses: list[int]) ->
         t.join()
 
 
-def read_metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def sample(metrics: dict[str, float], t: float, phase: str) -> dict:
     row: dict = {"t": round(t, 2), "phase": phase}
     for pool in POOLS:
@@ -139,7 +134,7 @@ def sample(metrics: dict[str, float], t: float, phase: str) -> dict:
 def monitor(url: str, start: float, phase: list[str], rows: list[dict], stop) -> None:
     while not stop.is_set():
         with contextlib.suppress(OSError):  # a slow scrape: the next second's will do
-            rows.append(sample(read_metrics(url), time.monotonic() - start, phase[0]))
+            rows.append(sample(metric_values(url), time.monotonic() - start, phase[0]))
         stop.wait(1.0)
 
 
@@ -148,7 +143,7 @@ def wait_for_autoscaler(url: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):
-            row = sample(read_metrics(url), 0.0, "start")
+            row = sample(metric_values(url), 0.0, "start")
             if all(row[p]["target"] is not None and row[p]["live"] for p in POOLS):
                 return
         time.sleep(1.0)

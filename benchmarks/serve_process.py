@@ -103,6 +103,18 @@ def _tail(log, lines: int = 30) -> str:
     return "".join(log.readlines()[-lines:])
 
 
+def metric_values(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Every sample of the server's ``/metrics``, by its name and labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
 def route_counts(url: str) -> dict[str, float]:
     """Requests per route and outcome from ``/metrics`` (empty when it has none)."""
     try:
