@@ -73,7 +73,7 @@ class Peer:
                 if self.layer_delay_s and header["kind"] == "layer":
                     time.sleep(self.layer_delay_s)
         except OSError as e:
-            on_lost(self, f"connection to decode worker {self.address} failed: {e}")
+            on_lost(self, f"decode worker {self.address} went away: sending failed: {e}")
 
     def _read_loop(self, on_answer, on_lost: Callable[[Peer, str], None]) -> None:
         try:
