@@ -36,11 +36,16 @@ async def watch_prefill(
     prefill: EngineConnection, call: GenerateCall, decode: EngineConnection, rid: str
 ) -> str | None:
     """Run the prefill side of a disaggregated request: it ends once the decode worker
-    has the KV. If it fails instead, the decode side's stream ends with the cause (its
-    leaving aborts the request there, so its blocks return); returns the error."""
+    has the KV. Its first token goes into the decode side's stream as soon as it is
+    sampled, so the client has it while the KV is still moving. If it fails, the decode
+    side's stream ends with the cause (its leaving aborts the request there, so its
+    blocks return); returns the error."""
     last: Event | None = None
     try:
         async for events in prefill.generate(call):
+            for event in events:  # its first token, before the KV is on the decode worker
+                if isinstance(event, Delta) and event.token_ids and not event.finished:
+                    decode.give_first(rid, event)
             last = events[-1]
         error = _error_of(last) if last is not None else "the prefill ended without a result"
     except ConnectionError as e:  # its connection was already gone

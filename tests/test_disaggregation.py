@@ -99,6 +99,7 @@ class Handoff:
         self.finished: dict[str, object] = {}
         self.sent_kv: dict[str, list[torch.Tensor]] = {}  # prefill KV at hand-off time
         self.tickets: dict[str, TransferTicket] = {}
+        self.first_ahead: dict[str, int] = {}  # the prefill's first token, before the KV
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
         self.decode.add_remote_request(rid, prompt, params)
@@ -111,6 +112,10 @@ class Handoff:
         while len(self.finished) < len(self.tokens) and time.monotonic() < deadline:
             self.step()
         assert len(self.finished) == len(self.tokens), "requests did not finish in time"
+        # Every request that goes on past its first token had it from the prefill first.
+        going_on = {rid: toks[0] for rid, toks in self.tokens.items() if len(toks) > 1}
+        assert {rid: self.first_ahead.get(rid) for rid in going_on} == going_on
+        assert all(tok == self.tokens[rid][0] for rid, tok in self.first_ahead.items())
 
     def step(self) -> None:
         for out in self.decode.step():
@@ -123,7 +128,12 @@ class Handoff:
             if out.finished:
                 self.finished[out.request_id] = out
         for out in self.prefill.step():
-            assert out.finished and out.outputs[0].finish_reason == "transferred", out.error
+            if not out.finished:  # the first token, returned before the KV is sent
+                assert out.request_id not in self.first_ahead and not out.error
+                (self.first_ahead[out.request_id],) = out.new_token_ids
+                continue
+            assert out.outputs[0].finish_reason == "transferred", out.error
+            assert out.new_token_ids == []  # its first token went out already
         for rid, req in self.prefill.scheduler.requests.items():
             if req.status == RequestStatus.SENDING_KV and rid not in self.sent_kv:
                 n = req.num_prompt_tokens  # its blocks may be reused once it is acked
@@ -237,12 +247,15 @@ def test_abort_on_the_decode_side_frees_both(pair):
     while "x" not in run.tickets:
         run.step()
     decode.abort_request("x")  # the client went away while the prefill is in flight
-    deadline = time.monotonic() + 10
+    deadline, ends = time.monotonic() + 10, []
     while prefill.has_unfinished_requests() and time.monotonic() < deadline:
-        outs = prefill.step()
-        for out in outs:
-            assert out.finished and "no longer expects" in (out.error or "")
+        for out in prefill.step():  # the first token may come before the decode's cancel
+            if out.finished:
+                ends.append(out.error or "")
+            else:
+                assert len(out.new_token_ids) == 1
         time.sleep(0.001)
+    assert len(ends) == 1 and "no longer expects" in ends[0]
     assert not prefill.has_unfinished_requests() and not decode.has_unfinished_requests()
     assert prefill.block_manager.num_free_blocks == free[0]
     assert decode.block_manager.num_free_blocks == free[1]

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from splitserve.workers.engine import messages
 from splitserve.workers.engine.messages import (
     Abort,
+    Delta,
     Event,
     Failed,
     GenerateCall,
@@ -43,13 +44,37 @@ CONNECT_TIMEOUT_S = 10.0
 
 class _Stream:
     """One request's events, waiting for its ``generate`` to take them. (A bare future
-    wakes the taker: an ``asyncio.Event`` costs more, once per token.)"""
+    wakes the taker: an ``asyncio.Event`` costs more, once per token.)
+
+    A disaggregated request's first token comes twice: from its prefill worker as the
+    prompt's step ends (``give_first``) and from the engine here once the KV is in. The
+    first of the two to come is the one kept."""
 
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.ended = False  # its last event is in: nothing goes after it
         self.ended_here = False  # ... put by this side, not the engine's: abort it there
+        self.given_first: Delta | None = None  # the prefill worker's first token, kept
+        self.engine_started = False  # the engine's first delta came
         self._waiter: asyncio.Future | None = None
+
+    def give_first(self, delta: Delta) -> None:
+        if not self.engine_started and self.given_first is None:
+            self.given_first = delta
+            self.put(delta)
+
+    def put_from_engine(self, event: Event) -> None:
+        if isinstance(event, Delta) and not self.engine_started:
+            self.engine_started = True
+            given = self.given_first
+            if given is not None:
+                if same_first_token(given, event):
+                    return  # the client has it already
+                message = "the prefill and decode workers gave different first tokens"
+                event = Failed(event.request_id, message)
+                self.put(event, here=True)
+                return
+        self.put(event)
 
     def put(self, event: Event, here: bool = False) -> None:
         if self.ended:
@@ -149,6 +174,13 @@ class EngineConnection:
         if self.alive:
             self._send(Abort(request_id))
 
+    def give_first(self, request_id: str, delta: Delta) -> None:
+        """A disaggregated request's first token from its prefill worker, ahead of this
+        engine's (which repeats it once the KV is in, and is then left out)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.give_first(delta)
+
     def fail(self, request_id: str, message: str) -> None:
         """End a request's stream with ``Failed`` from this side (its hand-off failed
         elsewhere); the stream's end then aborts it on the engine."""
@@ -203,11 +235,21 @@ class EngineConnection:
         for event in events:
             stream = self._streams.get(event.request_id)
             if stream is not None:  # else the caller left; its abort is on the way
-                stream.put(event)
+                stream.put_from_engine(event)
 
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
             stream.put(Failed(rid, message), here=True)
+
+
+def same_first_token(given: Delta, delta: Delta) -> bool:
+    """Whether the engine's first delta repeats the one the prefill worker gave."""
+    return (
+        delta.token_ids == given.token_ids
+        and delta.text == given.text
+        and delta.finish_reason is None
+        and delta.error is None
+    )
 
 
 def holds_requests(stats: WorkerStats) -> bool:

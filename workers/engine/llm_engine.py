@@ -496,7 +496,17 @@ class LLMEngine:
             return self._fail(request, launched.send_errors[request.request_id])
         # prefill side: the first token (and drafts) follow the KV to the decode worker
         self.handoff.worker.finish_send(request, toks[0], logprobs[0], drafts)
-        return None
+        return self._first_token_ahead(request, toks[0], logprobs[0])
+
+    def _first_token_ahead(
+        self, request: Request, token: int, logprobs: TokenLogprobs | None
+    ) -> RequestOutput | None:
+        """Prefill side: the first token as an output now, so the front can stream it
+        while the KV is still on its way (the decode worker's first output repeats it).
+        None when the token ends the request: the decode worker says how it ends."""
+        if self.output_processor.append(request, token, logprobs) is not None:
+            return None
+        return self.output_processor.make_output(request)
 
     def _fail_alone(self, request: Request, error: Exception) -> RequestOutput:
         """End ``request`` with an error that its own sampling or output raised; the

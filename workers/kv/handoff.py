@@ -18,7 +18,8 @@ stays alive after a prompt is done.
 **Worker half** (``HandoffWorker``): ``start_sends`` opens the transfers of the
 prompts a step finishes and gives the hook the model calls as each layer's KV
 is stored (the layer goes out at once); ``finish_send`` sends the first token
-after the step is read back.
+after the step is read back (the engine also returns it as an output at once, so a
+front can stream it before the KV is in; ``LLMEngine._first_token_ahead``).
 
 Either half ``cancel``s a request's transfer (abort, failure); the transport
 tells the other side.
