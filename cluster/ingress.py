@@ -15,7 +15,8 @@ frame per engine step. One request's path (``cluster.routing`` picks the route):
   stream ends with the cause (its blocks are freed).
 
 A worker failure before the first token is retried once on a fresh pair,
-without the worker that failed; after it, the request ends with an error. A
+without the worker that failed; after it, the request ends with an error (a decode
+worker lost mid hand-off, once the prefill worker's first token went out, too). A
 client that goes away aborts the request on both workers, so both free its KV
 blocks. Every worker of a pool at its limit: the request waits (up to the pool's
 ``max_queued_requests``), then 503.
