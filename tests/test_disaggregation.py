@@ -202,6 +202,28 @@ def test_first_token_is_returned_before_the_decode_forward(pair):
     decode.abort_request("f")
 
 
+def test_a_ticket_goes_out_before_the_decode_forward(pair):
+    """While the decode worker decodes other requests, a remote request's ticket leaves
+    in a step of its own: the prefill worker starts a decode step earlier."""
+    _, decode = pair
+    (busy, prompt) = _prompts(2, length=21, seed=6)
+    decode.add_request("busy", busy, GREEDY)
+    while not decode.step():  # its prompt, then its first token
+        pass
+    decode.add_remote_request("t", prompt, GREEDY)
+    before = decode.scheduler.get_request("busy").num_computed_tokens
+    outs = decode.step()
+    assert [o.request_id for o in outs if o.kv_ticket] == ["t"]
+    assert not any(o.new_token_ids for o in outs)
+    # No forward ran in that step (with async scheduling one may be in flight from
+    # the step before, and is read back later).
+    assert decode.scheduler.get_request("busy").num_computed_tokens == before
+    decode.abort_request("t")
+    decode.abort_request("busy")
+    while decode.has_unfinished_requests():
+        decode.step()
+
+
 def test_decode_prefix_hit_moves_only_the_suffix(pair):
     prefill, decode = pair
     (prompt,) = _prompts(1, length=26, seed=5)

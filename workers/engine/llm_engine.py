@@ -418,8 +418,10 @@ class LLMEngine:
         start = time.perf_counter()
         lockstep = self.runner.lockstep is not None  # every call is one step of the group
         outputs = self._handle_transfers()
-        if any(o.new_token_ids for o in outputs) and not lockstep:
-            return outputs  # first tokens that arrived go out now, not after a forward
+        if any(o.new_token_ids or o.kv_ticket for o in outputs) and not lockstep:
+            # First tokens that arrived, and tickets (a prefill worker starts on each), go
+            # out now, not after a forward.
+            return outputs
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
         if self._in_flight is not None and not self._can_overlap(batch):
