@@ -53,7 +53,13 @@ from splitserve.cluster.openai_api.intake import RequestIntake
 from splitserve.cluster.openai_api.openapi import describe
 from splitserve.cluster.serve_config import ServeConfig
 from splitserve.cluster.stats_board import get_or_create_board
-from splitserve.cluster.worker_calls import WorkerBusy, WorkerFailed, guard, watch_prefill
+from splitserve.cluster.worker_calls import (
+    WorkerBusy,
+    WorkerFailed,
+    culprit,
+    guard,
+    watch_prefill,
+)
 from splitserve.cluster.worker_directory import NoWorker, PoolOverloaded, WorkerDirectory
 from splitserve.sampling_params import SamplingParams
 from splitserve.workers.engine.messages import Delta, GenerateCall, Routed, TicketIssued
@@ -347,11 +353,7 @@ class OpenAIIngress:
             busy.add(decode.name)
             raise
         except WorkerFailed:
-            prefill_failed = prefill_task is not None and prefill_task.done()
-            if prefill_failed and not prefill_task.cancelled() and prefill_task.result():
-                failed.add(prefill.name)
-            else:
-                failed.add(decode.name)
+            failed.add(culprit(decode, prefill, prefill_task).name)
             raise
         finally:
             await stream.aclose()  # not finished: aborts it on the engine

@@ -9,6 +9,7 @@ into exceptions: ``Rejected`` is the ingress's 400, ``Overloaded`` ``WorkerBusy`
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from splitserve.cluster.openai_api import invalid_request
@@ -53,6 +54,26 @@ async def watch_prefill(
     if error is not None:
         decode.fail(rid, f"the {prefill.name} failed: {error}")
     return error
+
+
+def culprit(
+    decode: EngineConnection, prefill: EngineConnection | None, prefill_task: asyncio.Future | None
+) -> EngineConnection:
+    """Which worker a disaggregated request's retry leaves out after its decode stream
+    failed: the prefill worker when its side failed, or when the decode worker is still
+    connected and stepping (it reported the hand-off's failure: the prefill worker went
+    away or never delivered, and the front's connection to it may not have noticed yet);
+    else the decode worker (gone, or hung)."""
+    if prefill is None:
+        return decode
+    prefill_failed = (
+        prefill_task is not None
+        and prefill_task.done()
+        and not prefill_task.cancelled()
+        and prefill_task.result() is not None
+    )
+    decode_healthy = decode.alive and not decode.hung
+    return prefill if prefill_failed or decode_healthy else decode
 
 
 async def guard(stream: AsyncIterator[list[Event]], who: str) -> AsyncIterator[Event]:

@@ -108,6 +108,7 @@ class EngineConnection:
         self.sent_tokens_since_stats = 0  # and their prompt tokens
         self.stats_at = time.monotonic()  # when stats last came (or the connection opened)
         self.progress_at = self.stats_at  # when its step count last moved, or it held nothing
+        self.hung = False  # its open streams were ended as it looked hung (until it steps)
         self._reader = reader
         self._writer = writer
         self._streams: dict[str, _Stream] = {}
@@ -191,6 +192,7 @@ class EngineConnection:
     def fail_open(self, message: str) -> None:
         """End every open stream with ``Failed`` (the engine looks hung); each stream's
         end sends its abort, which the engine acts on if it wakes."""
+        self.hung = True
         self._fail_all(message)
 
     def close(self) -> None:
@@ -229,6 +231,7 @@ class EngineConnection:
         moved = self.stats is None or stats.num_steps != self.stats.num_steps
         if moved or not holds_requests(stats):
             self.progress_at = now
+            self.hung = False
         self.stats, self.stats_at = stats, now
 
     def _dispatch(self, events: list[Event]) -> None:

@@ -1,0 +1,66 @@
+"""Which worker a failed disaggregated request's retry leaves out (``worker_calls.culprit``).
+
+A prefill worker that dies mid hand-off makes the decode worker end the request with
+"the prefill worker went away", often before the front's own connection to the prefill
+worker has noticed. Leaving the decode worker out then would leave a one-decode-worker
+pool with nobody to retry on (a 503 for a healthy decode worker). Real connections to a
+listening socket stand in for the engines: what ``culprit`` reads is the connection's
+state (open, closed, ended as hung).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from splitserve.cluster.worker_calls import culprit
+from splitserve.workers.engine.engine_connection import EngineConnection
+
+
+async def _connections():
+    async def accept(reader, writer):
+        await reader.read()  # hold the connection open until the front closes it
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    decode = await EngineConnection.open(address, "s", "decode worker d1")
+    prefill = await EngineConnection.open(address, "s", "prefill worker p1")
+    return server, decode, prefill
+
+
+def _finished(result) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(result)
+    return future
+
+
+def test_a_decode_worker_that_reports_the_failure_is_kept():
+    async def run():
+        server, decode, prefill = await _connections()
+        pending = asyncio.get_running_loop().create_future()  # the prefill side runs on
+        try:
+            assert culprit(decode, prefill, pending) is prefill
+            assert culprit(decode, prefill, _finished("went away")) is prefill
+            assert culprit(decode, prefill, _finished(None)) is prefill
+        finally:
+            pending.cancel()
+            for closable in (decode, prefill, server):
+                closable.close()
+
+    asyncio.run(run())
+
+
+def test_a_decode_worker_gone_or_hung_is_left_out():
+    async def run():
+        server, decode, prefill = await _connections()
+        try:
+            assert culprit(decode, None, None) is decode  # no prefill worker yet
+            decode.fail_open("the decode worker d1 stalled")  # routed around as hung
+            assert culprit(decode, prefill, None) is decode
+            assert culprit(decode, prefill, _finished("decode went away")) is prefill
+            decode.close()  # its engine is gone
+            assert not decode.alive and culprit(decode, prefill, None) is decode
+        finally:
+            for closable in (decode, prefill, server):
+                closable.close()
+
+    asyncio.run(run())
