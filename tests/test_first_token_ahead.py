@@ -116,3 +116,16 @@ def test_different_first_tokens_end_the_stream_with_an_error_and_abort_it():
     (last,) = taken[-1][-1:]
     assert isinstance(last, Failed) and "different first tokens" in last.message
     assert Abort(RID) in received  # the decode engine frees the request's blocks
+
+
+def test_a_failed_hand_off_after_the_prefill_workers_token_ends_with_its_own_cause():
+    async def script(engine, front):
+        front.give_first(RID, _delta([7], "a"))
+        await asyncio.sleep(0.05)
+        failed = Delta(RID, [], "", None, "error", None, 0, "the prefill worker went away")
+        await engine.send(failed)
+
+    taken, _ = asyncio.run(_run(script))
+    assert _tokens(taken) == [7]
+    last = taken[-1][-1]
+    assert isinstance(last, Delta) and last.error == "the prefill worker went away"

@@ -48,7 +48,8 @@ class _Stream:
 
     A disaggregated request's first token comes twice: from its prefill worker as the
     prompt's step ends (``give_first``) and from the engine here once the KV is in. The
-    first of the two to come is the one kept."""
+    first of the two to come is the one kept. (An engine's error delta carries no token
+    and goes through as it is: the hand-off failed, and says why.)"""
 
     def __init__(self) -> None:
         self.events: list[Event] = []
@@ -64,7 +65,7 @@ class _Stream:
             self.put(delta)
 
     def put_from_engine(self, event: Event) -> None:
-        if isinstance(event, Delta) and not self.engine_started:
+        if isinstance(event, Delta) and event.token_ids and not self.engine_started:
             self.engine_started = True
             given = self.given_first
             if given is not None:
