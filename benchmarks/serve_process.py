@@ -106,7 +106,11 @@ def _tail(log, lines: int = 30) -> str:
 def metric_values(url: str, timeout: float = 10.0) -> dict[str, float]:
     """Every sample of the server's ``/metrics``, by its name and labels."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
-        text = resp.read().decode()
+        return parse_metrics(resp.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition -> {name with its labels: value}."""
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):

@@ -22,18 +22,18 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_process import default_config_path, metric_values, served  # noqa: E402
+
+STARTUP_S = 600.0  # the server's start, /health answering 200
 
 WORDS = [
     "prefill",
@@ -49,44 +49,10 @@ WORDS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(config: Path | None, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--port", str(port)]
-    if config is not None:
-        cmd += ["--config", str(config)]
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    for line in proc.stdout:
-        print(line, end="", file=sys.stderr)
-        if "serving" in line and " at http" in line:
-            break
-    else:
-        raise RuntimeError(f"splitserve serve exited with {proc.wait()}")
-    return proc
-
-
-def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
-
-
 def replicas(url: str) -> dict[str, dict[str, float]]:
     """replica label set -> its gauges (free and usable blocks, pids), from /metrics."""
     out: dict[str, dict[str, float]] = {}
-    for name, value in metrics(url).items():
+    for name, value in metric_values(url).items():
         m = re.match(r"splitserve_(kv_free_blocks|kv_blocks|worker_pid|engine_pid)\{(.*)\}", name)
         if m:
             out.setdefault(m.group(2), {})[m.group(1)] = value
@@ -209,13 +175,11 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args()
 
-    proc = None
-    url = args.url
-    if url is None:
-        port = _free_port()
-        proc = start_server(args.config, port)
-        url = f"http://127.0.0.1:{port}"
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            config = args.config or default_config_path()
+            url = stack.enter_context(served(config, "127.0.0.1", None, None, STARTUP_S))
         shares = (args.disconnect_share, args.abort_share)
         asyncio.run(run_load(url, args.warmup, args.concurrency, (0.0, 0.0), args.seed + 1))
         settled(url)
@@ -225,11 +189,6 @@ def main() -> int:
         seconds = time.monotonic() - t0
         state = settled(url)
         after = memory(url)
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=120)
 
     rows = []
     for label, g in sorted(state.items()):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.serve_process import parse_metrics
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -54,12 +56,7 @@ class Server:
     def metrics(self) -> dict[str, float]:
         status, raw = self.request("GET", "/metrics")
         assert status == 200
-        values = {}
-        for line in raw.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                values[name] = float(value)
-        return values
+        return parse_metrics(raw)
 
     def metrics_when(self, name: str, value: float, timeout: float = 10.0) -> dict[str, float]:
         """The metrics once ``name`` reads ``value``; workers report their counters periodically."""
