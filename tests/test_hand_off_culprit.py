@@ -13,18 +13,30 @@ from __future__ import annotations
 import asyncio
 
 from splitserve.cluster.worker_calls import culprit
+from splitserve.workers.engine import messages
 from splitserve.workers.engine.engine_connection import EngineConnection
+from splitserve.workers.engine.messages import WorkerStats
 
 
-async def _connections():
+async def _connections(stats: list[WorkerStats] = ()):
+    """A decode and a prefill connection to one listener, which sends ``stats`` frames
+    to the first connection once the test sets ``send``."""
+    send = asyncio.Event()
+    writers = []
+
     async def accept(reader, writer):
+        writers.append(writer)
+        if len(writers) == 1:
+            await send.wait()
+            for s in stats:
+                writer.write(messages.framed(messages.encode(s)))
         await reader.read()  # hold the connection open until the front closes it
 
     server = await asyncio.start_server(accept, "127.0.0.1", 0)
     address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     decode = await EngineConnection.open(address, "s", "decode worker d1")
     prefill = await EngineConnection.open(address, "s", "prefill worker p1")
-    return server, decode, prefill
+    return server, send, decode, prefill
 
 
 def _finished(result) -> asyncio.Future:
@@ -35,7 +47,7 @@ def _finished(result) -> asyncio.Future:
 
 def test_a_decode_worker_that_reports_the_failure_is_kept():
     async def run():
-        server, decode, prefill = await _connections()
+        server, _, decode, prefill = await _connections()
         pending = asyncio.get_running_loop().create_future()  # the prefill side runs on
         try:
             assert culprit(decode, prefill, pending) is prefill
@@ -51,7 +63,7 @@ def test_a_decode_worker_that_reports_the_failure_is_kept():
 
 def test_a_decode_worker_gone_or_hung_is_left_out():
     async def run():
-        server, decode, prefill = await _connections()
+        server, _, decode, prefill = await _connections()
         try:
             assert culprit(decode, None, None) is decode  # no prefill worker yet
             decode.fail_open("the decode worker d1 stalled")  # routed around as hung
@@ -59,6 +71,26 @@ def test_a_decode_worker_gone_or_hung_is_left_out():
             assert culprit(decode, prefill, _finished("decode went away")) is prefill
             decode.close()  # its engine is gone
             assert not decode.alive and culprit(decode, prefill, None) is decode
+        finally:
+            for closable in (decode, prefill, server):
+                closable.close()
+
+    asyncio.run(run())
+
+
+def test_a_hung_decode_worker_that_steps_again_is_kept_again():
+    async def run():
+        holding = [WorkerStats("decode", 1, num_running=1, num_steps=n) for n in (5, 6)]
+        server, send, decode, prefill = await _connections(holding)
+        try:
+            decode.fail_open("the decode worker d1 stalled")
+            assert culprit(decode, prefill, None) is decode
+            send.set()  # its steps move again
+            for _ in range(200):
+                if decode.stats is not None and decode.stats.num_steps == 6:
+                    break
+                await asyncio.sleep(0.01)
+            assert not decode.hung and culprit(decode, prefill, None) is prefill
         finally:
             for closable in (decode, prefill, server):
                 closable.close()
