@@ -17,7 +17,9 @@ Per tokens-a-rank T (top-k routing drawn uniformly over the experts):
 - ``prefill`` mode: dispatch + combine, eager, the counts exchange's host wait
   included;
 - ``decode`` mode: dispatch + combine at capacity T, captured in one CUDA graph and
-  replayed.
+  replayed, over NCCL (``decode``) and through the ranks' shared buffers (``peer``:
+  ``workers/parallel/peer_memory.py``, GPUs that reach each other; what the engine
+  takes there).
 
 Floor: the bytes that must leave a rank (each token once to each other rank that holds
 one of its choices, packed: hidden, ids, weights; and its partial sum coming back, in
@@ -28,7 +30,8 @@ difference). Times are the slower rank's.
 
 The layer: GLM-4.5-Air's MoE (hidden 4096, 128 routed experts of 1408, top-8 of one
 group, one shared expert), ``--layer-batch`` tokens a rank, EP-N in DECODE mode: router,
-dispatch, the rank's 128 / N experts, combine, shared expert, replayed from one CUDA graph.
+dispatch, the rank's 128 / N experts, combine, shared expert, replayed from one CUDA graph,
+through the shared buffers and over NCCL.
 Floor: the weights it reads (its experts that got a token, the shared expert, the
 router) at the copy bandwidth. ``--json`` writes ``docs/perf/ep_dispatch_<device>.json``.
 ``--device cpu`` runs the same code over gloo (small sizes: a check, not a measurement).
@@ -63,6 +66,7 @@ from splitserve.workers.parallel.group import (
     free_address,
     join_group,
 )
+from splitserve.workers.parallel.peer_memory import PeerLayout, PeerMemory, peers_reachable
 from splitserve.workers.runner.step_plan import StepPlan
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -101,6 +105,7 @@ def rank_main(rank: int, address: str, args: dict, results) -> None:
     bench = Bench(group, device, cuda, args["ranks"])
     peer_gbps = bench.slowest(bench.peer_bandwidth_gbps(), larger_is_slower=False)
     copy_gbps = roofline.copy_bandwidth_gbps(device) if cuda else None
+    bench.peers = bench.shared_buffers(max(args["tokens"]), args)
     rows = [bench.dispatch_row(t, args, peer_gbps) for t in args["tokens"]]
     layer = bench.layer_row(args["layer_batch"], copy_gbps)
     if rank == 0:
@@ -112,6 +117,19 @@ def rank_main(rank: int, address: str, args: dict, results) -> None:
 class Bench:
     def __init__(self, group, device: torch.device, cuda: bool, ranks: int):
         self.group, self.device, self.cuda, self.ranks = group, device, cuda, ranks
+        self.peers = None
+
+    def shared_buffers(self, max_tokens: int, args: dict):
+        """The ranks' shared buffers for up to ``max_tokens`` a rank (GPUs that reach each
+        other; None elsewhere)."""
+        if not self.cuda:
+            return None
+        if not peers_reachable(self.group.control, self.group.rank, self.ranks, self.device):
+            return None
+        row = RowLayout(args["hidden"], args["top_k"], DTYPE)
+        layout = PeerLayout(self.ranks, max_tokens, row)
+        self.group.peers = PeerMemory(self.group.control, self.group.rank, layout, self.device)
+        return self.group.peers
 
     # -- timing ------------------------------------------------------------------------
 
@@ -173,15 +191,24 @@ class Bench:
         back_bytes = hidden * part.itemsize
         floor_bytes = crossing * (layout.bytes + back_bytes)
         row = {"tokens": tokens, "floor_us": floor_bytes / peer_gbps / 1e3}
-        for mode in (DispatchMode.PREFILL, DispatchMode.DECODE):
+        ways = [("prefill", DispatchMode.PREFILL, None), ("decode", DispatchMode.DECODE, None)]
+        if self.peers is not None:
+            ways.append(("peer", DispatchMode.DECODE, self.peers))
+        for name, mode, peers in ways:
             step = MoEDispatch(mode, tokens)
+            dispatcher.peers = peers
 
             def both(step=step):
                 got = dispatcher.dispatch(x, weights, ids, step)
                 return dispatcher.combine(got.hidden.to(part), got)  # experts: the identity
 
             run = self.graphed(both)[0] if mode == DispatchMode.DECODE else both
-            row[f"{mode.value}_us"] = self.slowest(self.time_us(run))
+            row[f"{name}_us"] = self.slowest(self.time_us(run))
+        if self.peers is not None:  # the two ways bring the same sums
+            dispatcher.peers = None
+            nccl = both()
+            dispatcher.peers = self.peers
+            row["peer_equal"] = bool(self.slowest(float(torch.equal(both(), nccl)), False))
         row["all_to_all_us"] = self.slowest(self.time_us(self.bare_exchange(tokens, layout)))
         # DECODE mode sends its whole capacity (``tokens`` rows) to every other rank
         row["decode_sent_mib"] = (n - 1) * tokens * (layout.bytes + back_bytes) / 2**20
@@ -222,16 +249,23 @@ class Bench:
         for param in block.parameters():
             param.data.normal_(0.0, 0.02, generator=g)
         block.requires_grad_(False)
-        attach_dispatcher(block, self.group)
+        attach_dispatcher(block, self.group)  # the shared buffers where the group has them
         x = torch.randn(batch, h, generator=g, device=self.device).to(DTYPE)
         slots = torch.arange(batch, device=self.device)  # every row live
         plan = StepPlan(moe_dispatch=MoEDispatch(DispatchMode.DECODE, batch, slots))
+        dispatcher = block.experts.dispatcher
+        times = {}
         with torch.inference_mode():
             block.experts.tokens_per_expert.zero_()
             block.on_normed(x, plan)
             hit = int((block.experts.tokens_per_expert > 0).sum())
-            run, _ = self.graphed(lambda: block.on_normed(x, plan))
-            us = self.slowest(self.time_us(run))
+            for name, peers in (("nccl", None), ("peer", self.peers)):
+                if name == "peer" and peers is None:
+                    continue
+                dispatcher.peers = peers
+                run, _ = self.graphed(lambda: block.on_normed(x, plan))
+                times[name] = self.slowest(self.time_us(run))
+        us = min(times.values())
         expert_bytes = 3 * h * i * DTYPE.itemsize
         weight_bytes = hit * expert_bytes + 3 * h * c["shared"] * DTYPE.itemsize
         weight_bytes += e * h * DTYPE.itemsize  # the router
@@ -241,6 +275,8 @@ class Bench:
             "experts_hit": hit,
             "weight_mib": weight_bytes / 2**20,
             "us": us,
+            "nccl_us": times["nccl"],
+            "peer_us": times.get("peer"),
             "floor_us": floor_us,
             "over_floor": us / floor_us if floor_us else None,
         }
@@ -253,24 +289,26 @@ def report(result: dict, args: argparse.Namespace) -> None:
         f"{args.experts} experts, EP{args.ranks}",
         flush=True,
     )
-    columns = ["tokens/rank", "prefill us", "decode us", "all-to-alls us", "floor us"]
-    columns += ["decode/floor", "floor MiB", "decode sent MiB"]
-    rows = [
-        [
-            r["tokens"], r["prefill_us"], r["decode_us"], r["all_to_all_us"], r["floor_us"],
-            r["decode_us"] / r["floor_us"] if r["floor_us"] else None, r["floor_mib"],
-            r["decode_sent_mib"],
-        ]
-        for r in result["rows"]
-    ]  # fmt: skip
+    columns = ["tokens/rank", "prefill us", "decode us", "peer us", "all-to-alls us"]
+    columns += ["floor us", "best/floor", "floor MiB", "decode sent MiB", "peer = nccl"]
+    rows = []
+    for r in result["rows"]:
+        best = min(r["decode_us"], r.get("peer_us") or r["decode_us"])
+        rows.append([
+            r["tokens"], r["prefill_us"], r["decode_us"], r.get("peer_us"), r["all_to_all_us"],
+            r["floor_us"], best / r["floor_us"] if r["floor_us"] else None, r["floor_mib"],
+            r["decode_sent_mib"], r.get("peer_equal"),
+        ])  # fmt: skip
     roofline.print_table(columns, rows)
     layer = result["layer"]
     roofline.print_table(
-        ["MoE decode layer", "batch/rank", "experts hit", "weights MiB", "us", "floor us", "x"],
+        ["MoE decode layer", "batch/rank", "experts hit", "weights MiB", "nccl us", "peer us",
+         "floor us", "best x"],
         [
             [
                 f"GLM-4.5-Air EP{args.ranks}", layer["batch"], layer["experts_hit"],
-                layer["weight_mib"], layer["us"], layer["floor_us"], layer["over_floor"],
+                layer["weight_mib"], layer["nccl_us"], layer["peer_us"], layer["floor_us"],
+                layer["over_floor"],
             ]
         ],
     )  # fmt: skip

@@ -12,6 +12,10 @@ consecutive experts a rank) and its KV slot is not -1; it is row ``d * C + p``, 
 the number of earlier tokens that go to ``d``. ``row [T, N]`` says where (``N * C``:
 nowhere). Every other row is 0xFF bytes: ids -1, a hidden state nobody reads.
 ``sum_rows`` adds, in float32, rank by rank, the rows ``row`` points at.
+
+Between the GPUs of one host the ranks read each other's buffers instead of swapping
+them (``triton/ep_peer.py``): ``pull_rows`` is what rank ``r`` reads from every rank's
+send buffer, ``sum_peer_parts`` the sum of the partial sums it reads back.
 """
 
 from __future__ import annotations
@@ -84,8 +88,10 @@ def send_rows(
     experts_per_rank: int,
     ranks: int,
     capacity: int,
+    buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(buffer uint8 [N * C, row bytes], row int64 [T, N])``."""
+    """``(buffer uint8 [N * C, row bytes], row int64 [T, N])``; ``buffer``: write into
+    these rows (default: new ones)."""
     num_tokens, top_k = topk_ids.shape
     layout = RowLayout(hidden.shape[-1], top_k, hidden.dtype)
     sends = destinations(topk_ids, slot_mapping, experts_per_rank, ranks)
@@ -97,11 +103,14 @@ def send_rows(
         experts_per_rank,
     )  # fmt: skip
     rows = layout.pack(hidden[:, None, :].expand(-1, ranks, -1), ids, weights)
-    buffer = torch.full(
+    padded = torch.full(
         (ranks * capacity + 1, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=hidden.device
     )
-    buffer.index_copy_(0, row.flatten(), rows.view(num_tokens * ranks, layout.bytes))
-    return buffer[:-1], row
+    padded.index_copy_(0, row.flatten(), rows.view(num_tokens * ranks, layout.bytes))
+    if buffer is None:
+        return padded[:-1], row
+    buffer.copy_(padded[:-1])
+    return buffer, row
 
 
 def sum_rows(
@@ -111,3 +120,24 @@ def sum_rows(
     rank by rank, in ``out_dtype`` (None: ``back``'s)."""
     padded = torch.cat([back, back.new_zeros(1, back.shape[-1])])
     return padded[row].float().sum(dim=1).to(out_dtype or back.dtype)
+
+
+def pull_rows(
+    sends: list[torch.Tensor], rank: int, capacity: int, layout: RowLayout
+) -> torch.Tensor:
+    """``[N * C, row bytes]``: rank ``s``'s send rows for ``rank`` at ``s * C ..``; a row
+    no expert here takes (every id -1) keeps its ids and weights, its hidden state 0xFF."""
+    got = torch.cat([send[rank * capacity : (rank + 1) * capacity] for send in sends]).clone()
+    ids = layout.unpack(got)[1]
+    got[(ids < 0).all(dim=-1), : layout.hidden_bytes] = PAD_BYTE
+    return got
+
+
+def sum_peer_parts(
+    parts: list[torch.Tensor], row: torch.Tensor, rank: int, capacity: int,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``sum_rows`` of what rank ``rank`` reads back: rank ``d`` keeps the part of this
+    rank's row ``d * C + p`` at its row ``rank * C + p``."""
+    back = torch.cat([part[rank * capacity : (rank + 1) * capacity] for part in parts])
+    return sum_rows(back, row, out_dtype)

@@ -200,12 +200,13 @@ def ep_send_rows(
     experts_per_rank: int,
     ranks: int,
     capacity: int,
+    buffer: torch.Tensor | None = None,  # the rows to fill; None: new ones
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert parallelism, DECODE mode: the fixed-capacity send buffer ``[N * C, row
     bytes]`` and where each token went, ``row [T, N]`` (``kernels/ep_rows.py``)."""
     kernels = _triton().ep_rows if use_triton(hidden) else ep_rows
     args = (hidden, topk_ids, topk_weights, slot_mapping, experts_per_rank, ranks, capacity)
-    return kernels.send_rows(*args)
+    return kernels.send_rows(*args, buffer=buffer)
 
 
 def ep_sum_rows(

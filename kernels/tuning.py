@@ -33,6 +33,23 @@ class Tiles:
 
 
 @dataclass(frozen=True)
+class MoETiles:
+    """The fused MoE's two grouped GEMMs (``triton/fused_moe.py``): rows a program takes
+    (one expert's), and each GEMM's tiles."""
+
+    block_m: int
+    gate_up: Tiles
+    down: Tiles
+
+    @classmethod
+    def of(cls, block_m: int, block_n: int, block_k: int) -> MoETiles:
+        """Both GEMMs on ``[block_m, block_n, block_k]`` blocks, 3 stages, 4 warps (8 past
+        64 x 64 blocks)."""
+        tiles = Tiles(block_n, block_k, 3, 4 if block_m * block_n <= 64 * 64 else 8)
+        return cls(block_m, tiles, tiles)
+
+
+@dataclass(frozen=True)
 class GpuTuning:
     """What one kind of GPU takes."""
 
@@ -44,6 +61,14 @@ class GpuTuning:
     medium_batch_kernels: bool = False
     # ``gate_up_silu.py``'s tiles (wherever it runs; the tests call it on any GPU).
     gate_up_silu_tiles: Tiles = field(default_factory=lambda: Tiles(64, 128, 4, 4))
+    # The fused MoE where its experts get at most 16 rows each (decode): the best of
+    # ``benchmarks/moe_tiles.py`` on every shape it sweeps (H200, 2026-11-26: 3-6% faster
+    # than 64 x 64 blocks on both GEMMs).
+    moe_decode_tiles: MoETiles = field(
+        default_factory=lambda: MoETiles(
+            16, gate_up=Tiles(128, 128, 3, 4), down=Tiles(64, 128, 4, 8)
+        )
+    )
 
 
 GPUS: dict[str, GpuTuning] = {

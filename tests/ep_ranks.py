@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from splitserve.kernels import ops
+from splitserve.kernels.ep_rows import RowLayout
 from splitserve.kernels.fused_moe import fused_moe
 from splitserve.workers.parallel.dispatch import Dispatcher, DispatchMode, MoEDispatch
 from splitserve.workers.parallel.group import expert_shard, join_group
+from splitserve.workers.parallel.peer_memory import PeerLayout, PeerMemory, peers_reachable
 
 PREFILL, DECODE = DispatchMode.PREFILL, DispatchMode.DECODE
 
@@ -115,4 +117,62 @@ def graph_case(rank: int, address: str) -> None:
             err = float((replayed.float() - want).norm() / want.norm())
             assert err < 1e-2, (n, err)
     group.control.barrier().wait()
+    group.close()
+
+
+def peer_case(rank: int, address: str) -> None:
+    """On GPU rank ``rank``: DECODE-mode dispatch and combine through the ranks' shared
+    buffers equal the NCCL exchange bitwise, eagerly and replayed from a CUDA graph,
+    padding rows and a rank with no tokens included; a step past the buffers' rows
+    swaps over NCCL."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    group = join_group(rank, 2, address, device)
+    hidden, inter, experts, top_k, capacity = 1024, 512, 16, 4, 64
+    assert peers_reachable(group.control, rank, 2, device)
+    layout = PeerLayout(2, capacity, RowLayout(hidden, top_k, torch.bfloat16))
+    peers = PeerMemory(group.control, rank, layout, device)
+    g = torch.Generator(device).manual_seed(7)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device=device) / 32).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g, device=device) / 22).bfloat16()
+    shard = expert_shard(rank, 2, experts)
+    mine = slice(shard.first, shard.first + shard.count)
+    nccl = Dispatcher(group.data, rank, 2, shard.count)
+    shared = Dispatcher(group.data, rank, 2, shard.count, peers)
+    x = torch.zeros(capacity, hidden, dtype=torch.bfloat16, device=device)
+    ids = torch.zeros(capacity, top_k, dtype=torch.long, device=device)
+    weights = torch.zeros(capacity, top_k, dtype=torch.float32, device=device)
+    slots = torch.full((capacity,), -1, dtype=torch.long, device=device)
+
+    def layer(dispatcher: Dispatcher, step: MoEDispatch) -> torch.Tensor:
+        got = dispatcher.dispatch(x, weights, ids, step)
+        assert got.route.peers == (dispatcher is shared and step.capacity <= capacity)
+        local = ops.fused_moe(
+            got.hidden, w13[mine], w2[mine], got.topk_weights, got.topk_ids,
+            skip_negative_ids=True, out_dtype=dispatcher.part_dtype,
+        )  # fmt: skip
+        return dispatcher.combine(local, got)
+
+    step = MoEDispatch(DECODE, capacity, slots)
+    layer(shared, step)  # warm-up: the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(shared, step)
+    for n in (capacity, 17, 1, 0) if rank == 0 else (capacity, 5, 0, 0):
+        gen = torch.Generator(device).manual_seed(100 * rank + n)
+        x.copy_(torch.randn(capacity, hidden, generator=gen, device=device))
+        scores = torch.rand(capacity, experts, generator=gen, device=device)
+        w, i = torch.softmax(scores, dim=-1).topk(top_k, dim=-1)
+        ids.copy_(i)
+        weights.copy_(w / w.sum(dim=-1, keepdim=True))
+        slots.copy_(torch.where(torch.arange(capacity, device=device) < n, 0, -1))
+        want = layer(nccl, step)[:n]
+        assert torch.equal(layer(shared, step)[:n], want), ("eager", n)
+        graph.replay()
+        assert torch.equal(out[:n], want), ("replay", n)
+    wide = MoEDispatch(DECODE, 2 * capacity, None)  # past the buffers: over NCCL
+    assert torch.equal(layer(shared, wide), layer(nccl, wide))
+    group.control.barrier().wait()
+    peers.close()
     group.close()

@@ -1,7 +1,8 @@
 """Expert parallelism on two GPUs (NCCL): ``-m gpu`` on a host with 2 GPUs.
 
 - DECODE-mode dispatch, experts and combine captured in a CUDA graph replay as the
-  eager layer does (bitwise), padding rows and a rank with no tokens included.
+  eager layer does (bitwise), padding rows and a rank with no tokens included; through
+  the ranks' shared buffers (``peer_memory.py``) they equal the NCCL exchange bitwise.
 - EP2 bf16 log-probabilities within 1e-2 (relative) of EP1's, one request at a time (so
   each forward batches the same rows in both: a bf16 router flips near-ties when a
   matmul's batch changes).
@@ -32,6 +33,10 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs
 
 def test_decode_dispatch_replays_as_eager_on_nccl():
     mp.spawn(ep_ranks.graph_case, args=(free_address(),), nprocs=2)
+
+
+def test_decode_dispatch_through_shared_buffers_equals_nccl():
+    mp.spawn(ep_ranks.peer_case, args=(free_address(),), nprocs=2)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "glm4_moe"])

@@ -124,15 +124,21 @@ def send_rows(
     experts_per_rank: int,
     ranks: int,
     capacity: int,
+    buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``ep_rows.send_rows``."""
+    """As ``ep_rows.send_rows``. ``buffer``: the ``[N * C, row bytes]`` rows to fill
+    (default: new ones); there only the ids and weights of the rows nobody writes are
+    0xFF bytes, their hidden states are left as they were."""
     num_tokens, top_k = topk_ids.shape
     layout = RowLayout(hidden.shape[-1], top_k, hidden.dtype)
     layout.check()
     device = hidden.device
-    buffer = torch.full(
-        (ranks * capacity, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=device
-    )
+    if buffer is None:
+        buffer = torch.full(
+            (ranks * capacity, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=device
+        )
+    else:
+        buffer[:, layout.hidden_bytes :].fill_(PAD_BYTE)
     row = torch.empty(num_tokens, ranks, dtype=torch.long, device=device)
     if num_tokens == 0:
         return buffer, row

@@ -21,8 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import tuning
 from splitserve.kernels.triton.activation import silu_and_mul
 from splitserve.kernels.triton.moe_align import moe_align_block_size
+from splitserve.kernels.tuning import MoETiles, Tiles
 
 
 @triton.jit
@@ -82,6 +84,7 @@ def fused_moe(
     block_sizes: tuple[int, int, int] | None = None,  # (BLOCK_M, BLOCK_N, BLOCK_K)
     skip_negative_ids: bool = False,
     out_dtype: torch.dtype | None = None,
+    tiles: MoETiles | None = None,  # both GEMMs' tiles (default: ``tuning.py``'s)
 ) -> torch.Tensor:  # [num_tokens, hidden]
     """Every token through its top-k experts (gate_up, SiLU-and-mul, down), weighted, summed.
 
@@ -99,39 +102,47 @@ def fused_moe(
         )
     if num_tokens == 0:
         return torch.zeros(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
-    block_m, block_n, block_k = block_sizes or _block_sizes(num_tokens * top_k, num_experts)
-    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, num_experts, block_m)
-    layout = (sorted_ids, expert_ids, num_post_padded, (block_m, block_n, block_k))
+    if tiles is None:
+        tiles = MoETiles.of(*block_sizes) if block_sizes else None
+        tiles = tiles or _tiles(num_tokens * top_k, num_experts, hidden.device)
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
+        topk_ids, num_experts, tiles.block_m
+    )
+    layout = (sorted_ids, expert_ids, num_post_padded)
     num_entries = num_tokens * top_k
     gate_up = torch.empty(num_entries, two_i, dtype=hidden.dtype, device=hidden.device)
-    _grouped_gemm(_rows(hidden), w13, gate_up, None, top_k, *layout)
+    _grouped_gemm(_rows(hidden), w13, gate_up, None, top_k, *layout, tiles.block_m, tiles.gate_up)
     new_down = torch.zeros if skip_negative_ids else torch.empty
     down = new_down(num_entries, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.float().flatten().contiguous()
-    _grouped_gemm(silu_and_mul(gate_up), w2, down, weights, 1, *layout)
+    _grouped_gemm(silu_and_mul(gate_up), w2, down, weights, 1, *layout, tiles.block_m, tiles.down)
     total = down.view(num_tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32)
     return total.to(out_dtype or hidden.dtype)
 
 
-def _grouped_gemm(a, b, c, weights, entries_per_a_row, sorted_ids, expert_ids, num_post, blocks):
-    block_m, block_n, block_k = blocks
+def _grouped_gemm(
+    a, b, c, weights, entries_per_a_row, sorted_ids, expert_ids, num_post, block_m, tiles: Tiles
+):
     b = _rows(b)
     num_experts, n, k = b.shape
-    grid = (expert_ids.numel(), triton.cdiv(n, block_n))
+    grid = (expert_ids.numel(), triton.cdiv(n, tiles.block_n))
     _grouped_gemm_kernel[grid](
         a, b, c, c if weights is None else weights, sorted_ids, expert_ids, num_post,
         n, k, c.shape[0], entries_per_a_row, a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         MUL_WEIGHT=weights is not None, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4 if block_m * block_n <= 64 * 64 else 8, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
 
 
-def _block_sizes(num_entries: int, num_experts: int) -> tuple[int, int, int]:
-    """Small BLOCK_M when experts get few rows each (decode), larger for prefill."""
+def _tiles(num_entries: int, num_experts: int, device: torch.device) -> MoETiles:
+    """Small BLOCK_M when experts get few rows each (decode: the GPU's tiles), larger for
+    prefill."""
     rows_per_expert = num_entries / num_experts
-    block_m = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 48 else 64
-    return block_m, 64 if block_m < 64 else 128, 64
+    if rows_per_expert <= 16:
+        return tuning.for_device(device).moe_decode_tiles
+    block_m = 32 if rows_per_expert <= 48 else 64
+    return MoETiles.of(block_m, 64 if block_m < 64 else 128, 64)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,10 @@ class LLMEngine:
             load_format=config.load_format,
             expert_shard=member.expert_shard(self.hf_config) if member else None,
         )
-        lockstep = Lockstep.join(member, model, self.device, self.role) if member else None
+        lockstep = None
+        if member:
+            max_rows = config.scheduler.max_num_seqs * (1 + config.num_speculative_tokens)
+            lockstep = Lockstep.join(member, model, self.device, self.role, max_rows)
         self.expert_load = ExpertLoad(model) if member else None
         self.max_model_len = admission.max_model_len(config, self.hf_config)
         self.eos_token_ids = admission.eos_token_ids(self.hf_config, self.tokenizer)

@@ -21,9 +21,13 @@ Two modes, one per step (``lockstep.py`` says which; every rank runs the same):
   no host sync, and the layer can be captured in a CUDA graph.
 
 Rows whose KV slot is -1 (a graph's padding, an idle rank's dummy token) are not
-sent. Both modes go through ``data``: NCCL on GPUs, gloo on CPU. The row layout and
-DECODE mode's buffer and sum are kernels (``kernels/ep_rows.py``; on a GPU three
-launches to fill the buffer and one to sum what comes back).
+sent. Both modes go through ``data``: NCCL on GPUs, gloo on CPU; except that on GPUs
+of one host that can read each other's memory, DECODE mode reads the same rows
+straight out of the other ranks' buffers (``peer_memory.py``: two device-side
+barriers a layer instead of two NCCL all-to-alls), where the step's capacity fits
+them. The row layout and DECODE mode's buffer and sum are kernels
+(``kernels/ep_rows.py``; on a GPU three launches to fill the buffer and one to sum
+what comes back).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch.distributed as dist
 
 from splitserve.kernels import ops
 from splitserve.kernels.ep_rows import RowLayout, choices_for, destinations
+from splitserve.workers.parallel.peer_memory import PeerMemory
 
 # The dtype a rank's partial sums travel back in. float32: the source adds the ranks'
 # parts and rounds once, so the layer's output is one GPU's up to float32 rounding (in
@@ -81,14 +86,24 @@ class PrefillRoute:
 @dataclass
 class DecodeRoute:
     row: torch.Tensor  # [tokens, ranks]: the row of rank d's part of token t; N*C: none
+    capacity: int = 0
+    peers: bool = False  # the rows were read from the ranks' shared buffers
 
 
 class Dispatcher:
     """One rank's dispatch and combine over the group's ``data`` process group."""
 
-    def __init__(self, data_group: Any, rank: int, size: int, experts_per_rank: int):
+    def __init__(
+        self,
+        data_group: Any,
+        rank: int,
+        size: int,
+        experts_per_rank: int,
+        peers: PeerMemory | None = None,  # GPUs of one host: DECODE mode reads from these
+    ):
         self.group, self.rank, self.size = data_group, rank, size
         self.experts_per_rank = experts_per_rank
+        self.peers = peers
         self.part_dtype = PART_DTYPE  # what the local experts' sums are handed to combine in
 
     def dispatch(
@@ -150,15 +165,25 @@ class Dispatcher:
             raise ValueError(
                 f"{hidden.shape[0]} tokens exceed the decode dispatch capacity {step.capacity}"
             )
+        peers = self.peers is not None and self.peers.layout.holds(step.capacity, layout)
         buffer, row = ops.ep_send_rows(
             hidden, topk_ids, topk_weights, step.slot_mapping, self.experts_per_rank,
             self.size, step.capacity,
+            buffer=self.peers.send_rows(step.capacity, layout) if peers else None,
         )  # fmt: skip
-        got = torch.empty_like(buffer)
-        self._all_to_all(got, buffer)
-        return Received(*layout.unpack(got), DecodeRoute(row))
+        if peers:
+            self.peers.barrier()  # every rank's send rows are written
+            got = self.peers.pull_rows(step.capacity, layout)
+        else:
+            got = torch.empty_like(buffer)
+            self._all_to_all(got, buffer)
+        return Received(*layout.unpack(got), DecodeRoute(row, step.capacity, peers))
 
     def _combine_fixed(self, out: torch.Tensor, route: DecodeRoute, dtype) -> torch.Tensor:
+        if route.peers:
+            self.peers.put_parts(out.to(torch.float32))
+            self.peers.barrier()  # every rank's parts are there
+            return self.peers.sum_parts(route.row, route.capacity, out.shape[-1], dtype)
         back = torch.empty_like(out)
         self._all_to_all(back, out.contiguous())
         return ops.ep_sum_rows(back, route.row, dtype)

@@ -7,7 +7,9 @@ its server), so the caller's process keeps no torch.distributed default group:
 - ``control``: gloo on the host, for the one small exchange a step makes before its
   forward (``lockstep.py``), so it never waits for the device.
 
-On a GPU rank ``r`` runs on the device ``r`` places after rank 0's.
+On a GPU rank ``r`` runs on the device ``r`` places after rank 0's. Where the GPUs
+can read each other's memory, the group also shares one buffer a rank
+(``peer_memory.py``) for DECODE-mode dispatch and combine.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from splitserve.workers.model.layers.moe import Experts, ExpertShard
+from splitserve.kernels.ep_rows import RowLayout
+from splitserve.workers.model.layers.moe import Experts, ExpertShard, MoEBlock
 from splitserve.workers.parallel.dispatch import Dispatcher
+from splitserve.workers.parallel.peer_memory import PeerLayout, PeerMemory, peers_reachable
 
 # A rank waits this long for the others in a collective before it gives up: long
 # enough for a peer's slow step (a long prefill, graph capture at start-up).
@@ -37,12 +41,16 @@ class ExpertGroup:
     device: torch.device
     data: Any  # dist.ProcessGroup of the MoE exchanges
     control: Any  # dist.ProcessGroupGloo of the per-step exchange
+    peers: PeerMemory | None = None  # GPUs of one host: the buffers the ranks share
 
     def shard(self, num_experts: int) -> ExpertShard:
         """The routed experts this rank holds: a contiguous E/N of them."""
         return expert_shard(self.rank, self.size, num_experts)
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
+            self.peers = None
         for group in (self.data, self.control):
             if hasattr(group, "shutdown"):
                 group.shutdown()
@@ -94,13 +102,24 @@ def join_group(rank: int, size: int, address: str, device: torch.device) -> Expe
     return ExpertGroup(rank, size, device, data, control)
 
 
-def attach_dispatcher(model: nn.Module, group: ExpertGroup) -> None:
-    """Give every routed-experts module of ``model`` the group's dispatch and combine."""
+def attach_dispatcher(model: nn.Module, group: ExpertGroup, max_rows: int = 0) -> None:
+    """Give every routed-experts module of ``model`` the group's dispatch and combine.
+    ``max_rows``: the most tokens a rank's DECODE step carries (its largest batch, drafts
+    included); on GPUs that reach each other, steps up to it go through shared buffers."""
     experts = [m for m in model.modules() if isinstance(m, Experts)]
-    if experts:
-        dispatcher = Dispatcher(group.data, group.rank, group.size, experts[0].shard.count)
-        for module in experts:
-            module.dispatcher = dispatcher
+    if not experts:
+        return
+    if group.device.type == "cuda" and max_rows > 0 and group.peers is None:
+        top_k = max(m.gate.top_k for m in model.modules() if isinstance(m, MoEBlock))
+        weight = experts[0].w13_weight
+        row = RowLayout(weight.shape[-1], top_k, weight.dtype)
+        if peers_reachable(group.control, group.rank, group.size, group.device):
+            layout = PeerLayout(group.size, max_rows, row)
+            group.peers = PeerMemory(group.control, group.rank, layout, group.device)
+    shard = experts[0].shard
+    dispatcher = Dispatcher(group.data, group.rank, group.size, shard.count, group.peers)
+    for module in experts:
+        module.dispatcher = dispatcher
 
 
 def free_address(host: str = "127.0.0.1") -> str:

@@ -159,10 +159,14 @@ class Lockstep:
         self.mode_counts: Counter[DispatchMode | None] = Counter()  # group steps by mode
 
     @classmethod
-    def join(cls, member: GroupMember, model: nn.Module, device: torch.device, role: str):
-        """Join the group and hand ``model``'s MoE layers its dispatch and combine."""
+    def join(
+        cls, member: GroupMember, model: nn.Module, device: torch.device, role: str,
+        max_rows: int = 0,
+    ):  # fmt: skip
+        """Join the group and hand ``model``'s MoE layers its dispatch and combine
+        (``max_rows``: a rank's largest DECODE step, ``group.attach_dispatcher``)."""
         group = member.join(device)
-        attach_dispatcher(model, group)
+        attach_dispatcher(model, group, max_rows)
         return cls(group, role)
 
     def exchange(self, header: StepHeader, graph_sizes: list[int]) -> GroupStep:

@@ -1,0 +1,150 @@
+"""GPU memory the ranks of an expert-parallel group on one host read from each other.
+
+Each rank allocates one buffer and shares it through CUDA IPC: the handles go around
+the group's ``control`` (gloo) group once, at start-up, and every rank opens the
+others'. DECODE-mode dispatch and combine then skip NCCL (``dispatch.py``):
+
+1. a rank writes the rows it sends each rank into its own send rows (rank ``d``'s at
+   ``d * C ..``, as the all-to-all's buffer);
+2. barrier; each rank reads its rows out of every rank's send rows
+   (``triton/ep_peer.py``);
+3. its experts run; it copies their partial sums into its own parts;
+4. barrier; each rank reads its tokens' parts out of every rank's parts and adds them.
+
+A rank writes only into its own buffer, and the two barriers keep every read between
+the write before it and the write after it: a rank overwrites its send rows (its
+parts) only after a barrier the others reach once their reads of them are done.
+
+A buffer: ``[flags: N int64][send rows: N * rows x row bytes][parts: N * rows x hidden
+float32]``, each part 256-byte aligned. ``rows`` bounds the capacity that goes this
+way (the engine passes its largest decode batch, drafts included); a larger DECODE
+step swaps over NCCL, as every rank decides from the capacity alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from splitserve.kernels.ep_rows import RowLayout
+
+ALIGN = 256  # bytes
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class PeerLayout:
+    """Where the parts of every rank's buffer start (the same on every rank)."""
+
+    ranks: int
+    rows: int  # rows a rank may send each rank
+    row: RowLayout  # the widest row sent
+
+    @property
+    def send_offset(self) -> int:
+        return _aligned(8 * self.ranks)
+
+    @property
+    def parts_offset(self) -> int:
+        return self.send_offset + _aligned(self.ranks * self.rows * self.row.bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.parts_offset + _aligned(self.ranks * self.rows * self.row.hidden * 4)
+
+    def holds(self, capacity: int, row: RowLayout) -> bool:
+        """Whether a step of ``capacity`` rows of ``row`` fits the buffer."""
+        return (
+            capacity <= self.rows and row.bytes <= self.row.bytes and row.hidden <= self.row.hidden
+        )
+
+
+def peers_reachable(control: Any, rank: int, size: int, device: torch.device) -> bool:
+    """Whether every rank can read every other rank's GPU (each rank asks for its own
+    device; the group learns the answer of all: every rank decides the same)."""
+    first = device.index if device.index is not None else torch.cuda.current_device()
+    rank_devices = range(first - rank, first - rank + size)
+    mine = all(d == first or torch.cuda.can_device_access_peer(first, d) for d in rank_devices)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        mine = False
+    answers = [torch.zeros(1, dtype=torch.int32) for _ in range(size)]
+    control.allgather([answers], [torch.tensor([int(mine)], dtype=torch.int32)]).wait()
+    return all(int(a) for a in answers)
+
+
+class PeerMemory:
+    """This rank's buffer, the addresses of every rank's, and the barrier over them."""
+
+    def __init__(self, control: Any, rank: int, layout: PeerLayout, device: torch.device):
+        import cupy
+
+        self.rank, self.layout, self.device = rank, layout, device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with cupy.cuda.Device(index):
+            self._memory = cupy.cuda.memory.Memory(layout.nbytes)
+            cupy.cuda.runtime.memset(self._memory.ptr, 0, layout.nbytes)  # flags at 0
+            cupy.cuda.runtime.deviceSynchronize()
+            handle = cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr)
+            handles = _all_gather_bytes(control, layout.ranks, handle)
+            self._opened = {
+                r: cupy.cuda.runtime.ipcOpenMemHandle(h) for r, h in enumerate(handles) if r != rank
+            }
+        addresses = [self._opened.get(r, self._memory.ptr) for r in range(layout.ranks)]
+        self.bases = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # barriers so far
+        mem = cupy.cuda.MemoryPointer(self._memory, 0)
+        whole = cupy.ndarray((layout.nbytes,), dtype=cupy.uint8, memptr=mem)
+        self._buffer = torch.as_tensor(whole, device=device)
+        control.barrier().wait()  # every rank opened every buffer before any barrier runs
+
+    def send_rows(self, capacity: int, row: RowLayout) -> torch.Tensor:
+        """``uint8 [N * C, row bytes]``: this rank's send rows for a step."""
+        start, count = self.layout.send_offset, self.layout.ranks * capacity
+        return self._buffer[start : start + count * row.bytes].view(count, row.bytes)
+
+    def put_parts(self, parts: torch.Tensor) -> None:
+        """Copy the experts' float32 sums (``[N * C, hidden]``) into this rank's parts."""
+        start = self.layout.parts_offset
+        flat = self._buffer[start : start + parts.numel() * 4].view(torch.float32)
+        flat.view_as(parts).copy_(parts)
+
+    def barrier(self) -> None:
+        _kernels().barrier(self.bases, self.counter, self.rank, 0)
+
+    def pull_rows(self, capacity: int, row: RowLayout) -> torch.Tensor:
+        return _kernels().pull_rows(self.bases, self.rank, capacity, self.layout.send_offset, row)
+
+    def sum_parts(
+        self, row: torch.Tensor, capacity: int, hidden: int, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        return _kernels().sum_peer_parts(
+            self.bases, row, self.rank, capacity, self.layout.parts_offset, hidden, out_dtype
+        )
+
+    def close(self) -> None:
+        import cupy
+
+        torch.cuda.synchronize(self.device)
+        for address in self._opened.values():
+            cupy.cuda.runtime.ipcCloseMemHandle(address)
+        self._opened = {}
+
+
+def _all_gather_bytes(control: Any, size: int, data: bytes) -> list[bytes]:
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    every = [torch.empty_like(mine) for _ in range(size)]
+    control.allgather([every], [mine]).wait()
+    return [bytes(t.tolist()) for t in every]
+
+
+def _kernels():
+    from splitserve.kernels.triton import ep_peer
+
+    return ep_peer
