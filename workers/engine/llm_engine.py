@@ -370,6 +370,8 @@ class LLMEngine:
         if self.ep_front is not None:
             self.ep_front.close()
         if self.runner.lockstep is not None:  # its process groups' threads stop here
+            if self.runner.graphs is not None:  # NCCL waits for graphs holding its kernels
+                self.runner.graphs.clear()
             self.runner.lockstep.group.close()
 
     def _new_request(
