@@ -59,6 +59,17 @@ class RowLayout:
         )
 
 
+@dataclass(frozen=True)
+class PeerOffsets:
+    """Bytes from the start of a rank's shared buffer to each of its parts
+    (``workers/parallel/peer_memory.py``; the same on every rank)."""
+
+    flags: int  # N int64 barrier flags, one a rank
+    counts: int  # N int32: the rows this rank sends each rank
+    send: int  # its send rows
+    parts: int  # its experts' float32 partial sums
+
+
 def choices_for(
     topk_ids: torch.Tensor, topk_weights: torch.Tensor, dest: torch.Tensor, experts_per_rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,10 +99,8 @@ def send_rows(
     experts_per_rank: int,
     ranks: int,
     capacity: int,
-    buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(buffer uint8 [N * C, row bytes], row int64 [T, N])``; ``buffer``: write into
-    these rows (default: new ones)."""
+    """``(buffer uint8 [N * C, row bytes], row int64 [T, N])``."""
     num_tokens, top_k = topk_ids.shape
     layout = RowLayout(hidden.shape[-1], top_k, hidden.dtype)
     sends = destinations(topk_ids, slot_mapping, experts_per_rank, ranks)
@@ -107,10 +116,7 @@ def send_rows(
         (ranks * capacity + 1, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=hidden.device
     )
     padded.index_copy_(0, row.flatten(), rows.view(num_tokens * ranks, layout.bytes))
-    if buffer is None:
-        return padded[:-1], row
-    buffer.copy_(padded[:-1])
-    return buffer, row
+    return padded[:-1], row
 
 
 def sum_rows(
@@ -141,3 +147,10 @@ def sum_peer_parts(
     rank's row ``d * C + p`` at its row ``rank * C + p``."""
     back = torch.cat([part[rank * capacity : (rank + 1) * capacity] for part in parts])
     return sum_rows(back, row, out_dtype)
+
+
+def count_choices(counts: torch.Tensor, ids: torch.Tensor) -> None:
+    """Add to ``counts [E]`` the choices of each expert in ``ids [rows, top_k]`` (a
+    rank's numbering; -1: another rank's expert, not counted)."""
+    flat = ids.flatten().long()
+    counts.scatter_add_(0, flat.clamp(min=0), (flat >= 0).long())

@@ -200,13 +200,19 @@ def ep_send_rows(
     experts_per_rank: int,
     ranks: int,
     capacity: int,
-    buffer: torch.Tensor | None = None,  # the rows to fill; None: new ones
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert parallelism, DECODE mode: the fixed-capacity send buffer ``[N * C, row
     bytes]`` and where each token went, ``row [T, N]`` (``kernels/ep_rows.py``)."""
     kernels = _triton().ep_rows if use_triton(hidden) else ep_rows
     args = (hidden, topk_ids, topk_weights, slot_mapping, experts_per_rank, ranks, capacity)
-    return kernels.send_rows(*args, buffer=buffer)
+    return kernels.send_rows(*args)
+
+
+def ep_count_choices(counts: torch.Tensor, ids: torch.Tensor) -> None:
+    """Expert parallelism: add each local expert's choices in ``ids`` (-1: none) to
+    ``counts``, without a host sync (one launch on CUDA)."""
+    kernels = _triton().ep_rows if use_triton(ids) else ep_rows
+    kernels.count_choices(counts, ids)
 
 
 def ep_sum_rows(

@@ -1,25 +1,31 @@
 """DECODE-mode dispatch and combine through memory the ranks of one host share
 (``workers/parallel/peer_memory.py``); references: ``splitserve.kernels.ep_rows``
-(``pull_rows``, ``sum_peer_parts``).
+(``send_rows``, ``pull_rows``, ``sum_peer_parts``).
 
 Every rank has one buffer the others opened through CUDA IPC; ``bases`` (int64, on
 the device) holds each rank's buffer address, and the kernels turn an address plus a
-byte offset into a pointer. A buffer holds the rank's barrier flags, its send rows
-(``send_rows`` writes them: rank ``d``'s at ``d * C ..``) and its experts' partial
+byte offset into a pointer. A buffer holds the rank's barrier flags, how many rows it
+sends each rank, its send rows (rank ``d``'s at ``d * C ..``) and its experts' partial
 sums (in the order of the rows it received). The ranks never write into each other's
-rows; they read them, after a barrier:
+rows; they read them, after a barrier. A layer is three launches besides the experts:
 
-- ``barrier``: one program; it counts its own calls (``counter``: the epoch), writes
-  the epoch into its flag in every rank's buffer (release, system scope) and spins
-  until every rank's flag in its own buffer reached the epoch (acquire). Every rank
-  calls it the same number of times (the group steps in lockstep), so the epochs
-  meet. A CUDA graph replays it like any kernel.
-- ``pull_rows``: a program per received row reads rank ``s``'s row ``r * C + p`` into
-  row ``s * C + p``; a row that goes to no expert here (every id -1) brings its ids and
-  weights only, and its hidden state is 0xFF bytes, as the send buffer's padding.
-- ``sum_peer_parts``: a program per token and column block adds, in float32, rank by
-  rank, rank ``d``'s partial sum of the token, read from ``d``'s buffer at row
-  ``r * C + p`` (``p``: the token's place among the rows it sent ``d``).
+- ``send_rows``: the row numbering (one program) also writes the rows sent each rank
+  and advances the rank's epoch counter by 2 (a layer's two barriers); then a
+  program per (token, rank) writes the row. Rows past a rank's count are not touched.
+- ``pull_rows``: every program first meets the others at the layer's first barrier:
+  it writes the epoch into this rank's flag in every rank's buffer (release, system
+  scope; every program does, so none waits on another being scheduled) and spins
+  until every rank's flag in this rank's buffer reached it (acquire). Then a
+  program per received row reads rank ``s``'s row ``r * C + p`` into row
+  ``s * C + p``; a place past ``s``'s count for this rank is padding: ids -1, every
+  other byte 0xFF, as the reference's buffer.
+- ``sum_peer_parts``: the layer's second barrier the same way, then a program per
+  token and column block adds, in float32, rank by rank, rank ``d``'s partial sum of
+  the token, read from ``d``'s buffer at row ``r * C + p`` (``p``: the token's place
+  among the rows it sent ``d``).
+
+Every rank runs the same layers in the same order (the group steps in lockstep), so
+the epochs meet; a CUDA graph replays the launches like any others.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.ep_rows import RowLayout
+from splitserve.kernels.ep_rows import PeerOffsets, RowLayout
+from splitserve.kernels.triton import ep_rows as rows
 
 WORDS = 512  # int32 words a program copies per step
 
@@ -40,15 +47,8 @@ def _address(bases_ptr, rank, offset):
 
 
 @triton.jit
-def _barrier_kernel(
-    bases_ptr,  # [RANKS] int64 buffer addresses
-    counter_ptr,  # [1] int64: this rank's barriers so far
-    rank,
-    flags_offset,  # bytes from a buffer's start to its RANKS int64 flags
-    RANKS: tl.constexpr,
-):
-    epoch = tl.load(counter_ptr) + 1
-    tl.store(counter_ptr, epoch)
+def _meet(bases_ptr, flags_offset, rank, epoch, RANKS: tl.constexpr):
+    """Signal ``epoch`` to every rank, then wait until every rank signalled it."""
     for d in tl.static_range(RANKS):
         theirs = _address(bases_ptr, d, flags_offset).to(tl.pointer_type(tl.int64))
         tl.atomic_xchg(theirs + rank, epoch, sem="release", scope="sys")
@@ -62,46 +62,52 @@ def _barrier_kernel(
 @triton.jit
 def _pull_rows_kernel(
     bases_ptr,  # [RANKS] int64 buffer addresses
+    counter_ptr,  # [1] int64: this rank's epochs; the layer's first barrier is it - 1
     out_ptr,  # [RANKS * capacity, ROW_WORDS] int32 view of the received rows
     rank,
     capacity,
-    send_offset,  # bytes from a buffer's start to its send rows
+    flags_offset,  # bytes from a buffer's start to its RANKS int64 flags
+    counts_offset,  # ... to its RANKS int32 counts of rows sent
+    send_offset,  # ... to its send rows
     HIDDEN_WORDS: tl.constexpr,
     ROW_WORDS: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
+    RANKS: tl.constexpr,
     WORDS: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
+    _meet(bases_ptr, flags_offset, rank, tl.load(counter_ptr) - 1, RANKS)
     i = tl.program_id(0).to(tl.int64)  # the received row: source s, place p
     s = i // capacity
     p = i % capacity
+    count = tl.load(_address(bases_ptr, s, counts_offset).to(tl.pointer_type(tl.int32)) + rank)
+    read = tl.where(p < count, ROW_WORDS, 0)  # words worth reading: a padding row's none
     row_offset = send_offset + (rank * capacity + p) * (ROW_WORDS * 4)
     src = _address(bases_ptr, s, row_offset).to(tl.pointer_type(tl.int32))
     dst = out_ptr + i * ROW_WORDS
-    k = tl.arange(0, BLOCK_TAIL)
-    k_ok = k < 2 * TOP_K
-    tail = tl.load(src + HIDDEN_WORDS + k, mask=k_ok)  # ids, then weights
-    tl.store(dst + HIDDEN_WORDS + k, tail, mask=k_ok)
-    used = tl.max(tl.where(k < TOP_K, tail, -1), axis=0) >= 0
-    read = tl.where(used, HIDDEN_WORDS, 0)  # words worth reading: a padding row's none
     for w0 in range(0, HIDDEN_WORDS, WORDS):
         w = w0 + tl.arange(0, WORDS)
         words = tl.load(src + w, mask=w < read, other=-1)
         tl.store(dst + w, words, mask=w < HIDDEN_WORDS)
+    k = HIDDEN_WORDS + tl.arange(0, BLOCK_TAIL)  # ids, then weights
+    tail = tl.load(src + k, mask=k < read, other=-1)
+    tl.store(dst + k, tail, mask=k < ROW_WORDS)
 
 
 @triton.jit
 def _sum_peer_parts_kernel(
     bases_ptr,  # [RANKS] int64 buffer addresses
+    counter_ptr,  # [1] int64: this rank's epochs; the layer's second barrier is it
     row_ptr,  # [T, RANKS] int64: the row of rank d's part in this rank's send rows
     out_ptr,  # [T, hidden]
     rank,
     capacity,
+    flags_offset,
     parts_offset,  # bytes from a buffer's start to its float32 partial sums
     hidden,
     RANKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    _meet(bases_ptr, flags_offset, rank, tl.load(counter_ptr), RANKS)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < hidden
@@ -116,43 +122,78 @@ def _sum_peer_parts_kernel(
     tl.store(out_ptr + t * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 
-def barrier(bases: torch.Tensor, counter: torch.Tensor, rank: int, flags_offset: int) -> None:
-    """Wait on the device until every rank reached its barrier of the same count."""
-    _barrier_kernel[(1,)](bases, counter, rank, flags_offset, RANKS=bases.numel(), num_warps=1)
+def send_rows(
+    send: torch.Tensor,  # uint8 [N * C, row bytes]: this rank's send rows
+    counts: torch.Tensor,  # int32 [N]: the rows it sends each rank
+    counter: torch.Tensor,  # int64 [1]: its barrier epochs
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    experts_per_rank: int,
+    capacity: int,
+) -> torch.Tensor:
+    """Write this rank's send rows (as ``ep_rows.send_rows``, rows past each rank's count
+    untouched), their counts, and open the layer's epochs; returns ``row [T, N]``."""
+    num_tokens, top_k = topk_ids.shape
+    ranks = counts.numel()
+    layout = RowLayout(hidden.shape[-1], top_k, hidden.dtype)
+    row = torch.empty(num_tokens, ranks, dtype=torch.long, device=hidden.device)
+    ids = topk_ids.contiguous()
+    slots = slot_mapping.contiguous() if slot_mapping is not None else row
+    rows._number_rows_kernel[(1,)](
+        ids, slots, row, counts, counter, num_tokens, experts_per_rank, capacity,
+        HAS_SLOTS=slot_mapping is not None, TOP_K=top_k, RANKS=ranks,
+        BLOCK_R=triton.next_power_of_2(ranks), CHUNK=rows.CHUNK, PEER=True,
+    )  # fmt: skip
+    if num_tokens == 0:
+        return row
+    words = hidden.to(layout.dtype)
+    words = (words if words.stride(-1) == 1 else words.contiguous()).view(torch.int32)
+    rows._write_rows_kernel[(num_tokens, ranks)](
+        words, ids, topk_weights.float().contiguous(), row, send.view(torch.int32),
+        experts_per_rank, capacity, words.stride(0),
+        HIDDEN_WORDS=layout.hidden_bytes // 4, ROW_WORDS=layout.bytes // 4, TOP_K=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k), RANKS=ranks, WORDS=rows.WORDS,
+    )  # fmt: skip
+    return row
 
 
 def pull_rows(
-    bases: torch.Tensor, rank: int, capacity: int, send_offset: int, layout: RowLayout
-) -> torch.Tensor:
-    """``uint8 [N * C, row bytes]``: the rows every rank's send buffer holds for ``rank``."""
+    bases: torch.Tensor, counter: torch.Tensor, rank: int, capacity: int,
+    offsets: PeerOffsets, layout: RowLayout,
+) -> torch.Tensor:  # fmt: skip
+    """``uint8 [N * C, row bytes]``: the rows every rank's send rows hold for ``rank``,
+    after the layer's first barrier."""
     ranks = bases.numel()
     out = torch.empty(ranks * capacity, layout.bytes, dtype=torch.uint8, device=bases.device)
-    if capacity == 0:
-        return out
     _pull_rows_kernel[(ranks * capacity,)](
-        bases, out.view(torch.int32), rank, capacity, send_offset,
-        HIDDEN_WORDS=layout.hidden_bytes // 4, ROW_WORDS=layout.bytes // 4, TOP_K=layout.top_k,
-        BLOCK_TAIL=triton.next_power_of_2(2 * layout.top_k), WORDS=WORDS,
+        bases, counter, out.view(torch.int32), rank, capacity, offsets.flags, offsets.counts,
+        offsets.send, HIDDEN_WORDS=layout.hidden_bytes // 4, ROW_WORDS=layout.bytes // 4,
+        RANKS=ranks, WORDS=WORDS, BLOCK_TAIL=triton.next_power_of_2(2 * layout.top_k),
     )  # fmt: skip
     return out
 
 
 def sum_peer_parts(
     bases: torch.Tensor,
+    counter: torch.Tensor,
     row: torch.Tensor,  # [T, N] from ``send_rows``
     rank: int,
     capacity: int,
-    parts_offset: int,
+    offsets: PeerOffsets,
     hidden: int,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``[T, hidden]``: each token's parts from every rank summed in float32, rank by rank."""
+    """``[T, hidden]``: after the layer's second barrier, each token's parts from every
+    rank summed in float32, rank by rank."""
     num_tokens, ranks = row.shape
-    out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=row.device)
-    if num_tokens == 0:
-        return out
+    if num_tokens == 0:  # still meet the others: one token that got no parts
+        row = torch.full((1, ranks), ranks * capacity, dtype=row.dtype, device=row.device)
+    out = torch.empty(row.shape[0], hidden, dtype=out_dtype, device=row.device)
     block_h = min(1024, triton.next_power_of_2(hidden))
-    _sum_peer_parts_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        bases, row, out, rank, capacity, parts_offset, hidden, RANKS=ranks, BLOCK_H=block_h
-    )
-    return out
+    _sum_peer_parts_kernel[(row.shape[0], triton.cdiv(hidden, block_h))](
+        bases, counter, row, out, rank, capacity, offsets.flags, offsets.parts, hidden,
+        RANKS=ranks, BLOCK_H=block_h,
+    )  # fmt: skip
+    return out[:num_tokens]

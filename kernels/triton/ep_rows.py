@@ -25,6 +25,8 @@ def _number_rows_kernel(
     ids_ptr,  # [T, TOP_K]
     slots_ptr,  # [T] or a dummy
     row_ptr,  # [T, RANKS] int64
+    counts_ptr,  # PEER: [RANKS] int32, the rows sent each rank
+    counter_ptr,  # PEER: [1] int64, the barrier epochs, advanced by 2 a layer
     num_tokens,
     experts_per_rank,
     capacity,
@@ -33,6 +35,7 @@ def _number_rows_kernel(
     RANKS: tl.constexpr,
     BLOCK_R: tl.constexpr,
     CHUNK: tl.constexpr,
+    PEER: tl.constexpr = False,
 ):
     ranks = tl.arange(0, BLOCK_R)
     seen = tl.zeros([BLOCK_R], dtype=tl.int32)  # tokens each rank got in earlier chunks
@@ -54,6 +57,9 @@ def _number_rows_kernel(
         dst = row_ptr + t[:, None].to(tl.int64) * RANKS + ranks[None, :]
         tl.store(dst, row.to(tl.int64), mask=keep)
         seen += tl.sum(sends, axis=0)
+    if PEER:  # the ranks' shared buffers (``ep_peer.py``): what the readers need
+        tl.store(counts_ptr + ranks, seen, mask=ranks < RANKS)
+        tl.store(counter_ptr, tl.load(counter_ptr) + 2)
 
 
 @triton.jit
@@ -95,6 +101,24 @@ def _write_rows_kernel(
 
 
 @triton.jit
+def _count_choices_kernel(
+    counts_ptr,  # [E] int64
+    ids_ptr,  # [rows, TOP_K], row stride ids_stride
+    num_rows,
+    ids_stride,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    k = tl.arange(0, BLOCK_K)
+    ok = (r < num_rows)[:, None] & (k < TOP_K)[None, :]
+    e = tl.load(ids_ptr + r[:, None].to(tl.int64) * ids_stride + k[None, :], mask=ok, other=-1)
+    here = e >= 0
+    tl.atomic_add(counts_ptr + tl.where(here, e, 0), tl.full(e.shape, 1, tl.int64), mask=here)
+
+
+@triton.jit
 def _sum_rows_kernel(
     back_ptr,  # [RANKS * capacity, H]
     row_ptr,  # [T, RANKS] int64
@@ -124,28 +148,22 @@ def send_rows(
     experts_per_rank: int,
     ranks: int,
     capacity: int,
-    buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``ep_rows.send_rows``. ``buffer``: the ``[N * C, row bytes]`` rows to fill
-    (default: new ones); there only the ids and weights of the rows nobody writes are
-    0xFF bytes, their hidden states are left as they were."""
+    """As ``ep_rows.send_rows``."""
     num_tokens, top_k = topk_ids.shape
     layout = RowLayout(hidden.shape[-1], top_k, hidden.dtype)
     layout.check()
     device = hidden.device
-    if buffer is None:
-        buffer = torch.full(
-            (ranks * capacity, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=device
-        )
-    else:
-        buffer[:, layout.hidden_bytes :].fill_(PAD_BYTE)
+    buffer = torch.full(
+        (ranks * capacity, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=device
+    )
     row = torch.empty(num_tokens, ranks, dtype=torch.long, device=device)
     if num_tokens == 0:
         return buffer, row
     ids = topk_ids.contiguous()
     slots = slot_mapping.contiguous() if slot_mapping is not None else row
     _number_rows_kernel[(1,)](
-        ids, slots, row, num_tokens, experts_per_rank, capacity,
+        ids, slots, row, row, row, num_tokens, experts_per_rank, capacity,
         HAS_SLOTS=slot_mapping is not None, TOP_K=top_k, RANKS=ranks,
         BLOCK_R=triton.next_power_of_2(ranks), CHUNK=CHUNK,
     )  # fmt: skip
@@ -176,3 +194,17 @@ def sum_rows(
         back.contiguous(), row, out, hidden, capacity, RANKS=ranks, BLOCK_H=block_h
     )
     return out
+
+
+def count_choices(counts: torch.Tensor, ids: torch.Tensor) -> None:
+    """As ``ep_rows.count_choices``: one launch."""
+    num_rows, top_k = ids.shape
+    if num_rows == 0:
+        return
+    if ids.stride(-1) != 1:
+        ids = ids.contiguous()
+    block = 64
+    _count_choices_kernel[(triton.cdiv(num_rows, block),)](
+        counts, ids, num_rows, ids.stride(0), TOP_K=top_k, BLOCK_ROWS=block,
+        BLOCK_K=triton.next_power_of_2(top_k),
+    )  # fmt: skip

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve.kernels import ep_rows as ref
-from splitserve.kernels.ep_rows import RowLayout
+from splitserve.kernels.ep_rows import PeerOffsets, RowLayout
 from splitserve.kernels.triton import ep_peer as peer
 from splitserve.kernels.triton import ep_rows as tri
 from tests.kernels.utils import DEVICE, DTYPES
@@ -50,74 +50,98 @@ def test_sum_rows_equal_the_reference(dtype):
     assert rank0.any() and (~rank0).any()  # tokens with and without a part from rank 0
 
 
-def test_send_rows_into_a_given_buffer():
-    """The rows sent and every id and weight equal the reference's; rows nobody writes
-    keep their hidden bytes (the peer read pads them)."""
-    hidden, ids, weights = _routing(9, 16, 3, torch.float32)
-    slots = torch.where(torch.arange(9, device=DEVICE) < 6, 5, -1)
-    args = (hidden, ids, weights, slots, 8, 2, 12)
-    want, want_row = ref.send_rows(*args)
-    given = torch.zeros_like(want)
-    buffer, row = tri.send_rows(*args, buffer=given)
-    assert buffer.data_ptr() == given.data_ptr() and torch.equal(row, want_row)
-    layout = RowLayout(40, 3, torch.float32)
-    assert torch.equal(buffer[:, layout.hidden_bytes :], want[:, layout.hidden_bytes :])
-    sent = row[row < 24]
-    assert torch.equal(buffer[sent], want[sent])
-    assert (buffer[~torch.isin(torch.arange(24, device=DEVICE), sent), :160] == 0).all()
-
-
-def _shared_buffers(ranks: int, capacity: int, layout: RowLayout, offset: int):
-    """Each rank's buffer (send rows at ``offset``), its send rows and token routes: the
-    same layout as ``peer_memory``'s, in one process, read through their addresses."""
-    buffers, sends, routes = [], [], []
-    for r in range(ranks):
+def _rank_buffers(ranks: int, capacity: int, layout: RowLayout):
+    """Each rank's shared buffer (as ``peer_memory``'s, in one process, read through
+    their addresses; stale bytes 7 everywhere), its send rows written by the kernel,
+    and what the reference sends: ``(bases, offsets, buffers, counters, sends, routes)``."""
+    send_bytes = ranks * capacity * layout.bytes
+    offsets = PeerOffsets(flags=0, counts=64, send=128, parts=128 + -(-send_bytes // 256) * 256)
+    nbytes = offsets.parts + ranks * capacity * layout.hidden * 4
+    buffers = [torch.full((nbytes,), 7, dtype=torch.uint8, device=DEVICE) for _ in range(ranks)]
+    counters = [torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(ranks)]
+    sends, routes = [], []
+    for r, buffer in enumerate(buffers):
         g = torch.Generator(DEVICE).manual_seed(r)
         n = capacity - r  # the ranks bring different token counts
         hidden = torch.randn(n, layout.hidden, device=DEVICE, generator=g).to(layout.dtype)
-        scores = torch.rand(n, 8 * ranks, device=DEVICE, generator=g)
-        ids = scores.topk(layout.top_k, dim=-1).indices
+        ids = torch.rand(n, 8 * ranks, device=DEVICE, generator=g).topk(layout.top_k).indices
         ids[0] = torch.arange(layout.top_k, device=DEVICE)  # token 0: rank 0's experts only
         weights = torch.rand(n, layout.top_k, device=DEVICE, generator=g)
-        send, row = ref.send_rows(hidden, ids, weights, None, 8, ranks, capacity)
-        buffer = torch.full((offset + send.numel(),), 7, dtype=torch.uint8, device=DEVICE)
-        buffer[offset:].copy_(send.flatten())
-        buffers.append(buffer), sends.append(send), routes.append(row)
+        slots = torch.where(torch.arange(n, device=DEVICE) < n - 1, 3, -1)  # last: padding
+        want, want_row = ref.send_rows(hidden, ids, weights, slots, 8, ranks, capacity)
+        send = buffer[offsets.send : offsets.send + send_bytes].view(-1, layout.bytes)
+        counts = buffer[offsets.counts : offsets.counts + 4 * ranks].view(torch.int32)
+        row = peer.send_rows(send, counts, counters[r], hidden, ids, weights, slots, 8, capacity)
+        assert torch.equal(row, want_row)
+        sends.append(want), routes.append(row)
     bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
-    return bases, buffers, sends, routes
+    return bases, offsets, buffers, counters, sends, routes
+
+
+def _flags(buffer: torch.Tensor, ranks: int) -> torch.Tensor:
+    return buffer[: 8 * ranks].view(torch.int64)
+
+
+def test_send_rows_write_the_rows_their_counts_and_open_two_epochs():
+    """The rows sent equal the reference's, rows past a rank's count keep their stale
+    bytes, the counts are the rows each rank gets, the epoch counter moves by 2."""
+    layout = RowLayout(40, 3, torch.float32)
+    _, offsets, buffers, counters, sends, routes = _rank_buffers(2, 6, layout)
+    for buffer, counter, want, row in zip(buffers, counters, sends, routes):
+        per_rank = [int((row[:, d] < 12).sum()) for d in range(2)]
+        counts = buffer[offsets.counts : offsets.counts + 8].view(torch.int32)
+        assert counts.tolist() == per_rank and counter.item() == 2
+        send = buffer[offsets.send : offsets.send + 12 * layout.bytes].view(12, layout.bytes)
+        for d in range(2):
+            assert torch.equal(send[d * 6 : d * 6 + per_rank[d]], want[d * 6 : d * 6 + per_rank[d]])
+            assert (send[d * 6 + per_rank[d] : (d + 1) * 6] == 7).all()
+    assert per_rank[1] < 5  # token 0 stays home, the last is padding: rows to spare
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_pull_rows_read_what_every_rank_sends_here(ranks):
-    """Rank r's rows out of every rank's send rows, padding rows with their hidden state
-    0xFF; a token with all its experts on rank 0 sends rank 1 nothing."""
+    """Rank r's rows out of every rank's send rows, places past a rank's count padding
+    (ids -1, 0xFF bytes) whatever stale bytes lie there; the pull signals the layer's
+    first epoch to every rank (the others' flags set ahead, so nobody waits here)."""
     layout = RowLayout(40, 3, torch.float32)
-    bases, _, sends, routes = _shared_buffers(ranks, 6, layout, offset=256)
+    bases, offsets, buffers, counters, sends, _ = _rank_buffers(ranks, 6, layout)
     for r in range(ranks):
-        got = peer.pull_rows(bases, r, 6, 256, layout)
+        for buffer in buffers:
+            _flags(buffer, ranks).fill_(10**6)
+        got = peer.pull_rows(bases, counters[r], r, 6, offsets, layout)
         assert torch.equal(got, ref.pull_rows(sends, r, 6, layout))
-    assert (routes[0][0, 1:] == ranks * 6).all()
+        assert all(_flags(buffer, ranks)[r].item() == 1 for buffer in buffers)
     padding = (layout.unpack(got)[1] < 0).all(dim=-1)
-    assert padding.any() and (got[padding, :160] == ref.PAD_BYTE).all()
+    assert padding.any() and (got[padding] == ref.PAD_BYTE).all()
 
 
-def test_sum_peer_parts_add_every_rank_s_part():
+@pytest.mark.parametrize("num_tokens", [None, 0])
+def test_sum_peer_parts_add_every_rank_s_part(num_tokens):
+    """Each token's parts read from every rank's buffer and added as the reference; a
+    rank with no tokens still signals the layer's second epoch."""
     ranks, capacity, hidden = 3, 6, 40
     layout = RowLayout(hidden, 3, torch.float32)
-    bases, _, _, routes = _shared_buffers(ranks, capacity, layout, offset=0)
+    bases, offsets, buffers, counters, _, routes = _rank_buffers(ranks, capacity, layout)
     parts = [torch.randn(ranks * capacity, hidden, device=DEVICE) for _ in range(ranks)]
-    part_bases = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64, device=DEVICE)
+    for buffer, part in zip(buffers, parts):
+        buffer[offsets.parts :].view(torch.float32).copy_(part.flatten())
     for r in range(ranks):
-        got = peer.sum_peer_parts(part_bases, routes[r], r, capacity, 0, hidden, torch.float32)
-        assert torch.equal(got, ref.sum_peer_parts(parts, routes[r], r, capacity))
+        for buffer in buffers:
+            _flags(buffer, ranks).fill_(10**6)
+        row = routes[r][:num_tokens]
+        got = peer.sum_peer_parts(
+            bases, counters[r], row, r, capacity, offsets, hidden, torch.float32
+        )
+        assert torch.equal(got, ref.sum_peer_parts(parts, row, r, capacity))
+        assert all(_flags(buffer, ranks)[r].item() == 2 for buffer in buffers)
 
 
-def test_barrier_counts_and_signals_every_rank():
-    """Rank 0's first barrier when rank 1 already arrived: its epoch (1) lands in its
-    flag of both buffers, and it returns (rank 1's flag in its own buffer is 1)."""
-    flags = [torch.zeros(2, dtype=torch.int64, device=DEVICE) for _ in range(2)]
-    flags[0][1] = 1  # rank 1 reached its first barrier
-    bases = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEVICE)
-    counter = torch.zeros(1, dtype=torch.int64, device=DEVICE)
-    peer.barrier(bases, counter, 0, 0)
-    assert counter.item() == 1 and flags[0].tolist() == [1, 1] and flags[1].tolist() == [1, 0]
+def test_count_choices_equal_the_reference():
+    """Strided ids (a view of received rows), -1 skipped, repeated experts counted."""
+    rows = torch.randint(-1, 6, (70, 5), dtype=torch.int32, device=DEVICE)
+    ids = rows[:, 1:4]  # not contiguous
+    got = torch.full((6,), 3, dtype=torch.long, device=DEVICE)
+    want = got.clone()
+    tri.count_choices(got, ids)
+    ref.count_choices(want, ids)
+    assert torch.equal(got, want) and want.sum() - 18 == (ids >= 0).sum()

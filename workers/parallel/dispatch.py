@@ -165,24 +165,19 @@ class Dispatcher:
             raise ValueError(
                 f"{hidden.shape[0]} tokens exceed the decode dispatch capacity {step.capacity}"
             )
-        peers = self.peers is not None and self.peers.layout.holds(step.capacity, layout)
-        buffer, row = ops.ep_send_rows(
-            hidden, topk_ids, topk_weights, step.slot_mapping, self.experts_per_rank,
-            self.size, step.capacity,
-            buffer=self.peers.send_rows(step.capacity, layout) if peers else None,
-        )  # fmt: skip
-        if peers:
-            self.peers.barrier()  # every rank's send rows are written
-            got = self.peers.pull_rows(step.capacity, layout)
-        else:
-            got = torch.empty_like(buffer)
-            self._all_to_all(got, buffer)
-        return Received(*layout.unpack(got), DecodeRoute(row, step.capacity, peers))
+        args = (hidden, topk_ids, topk_weights, step.slot_mapping, self.experts_per_rank)
+        if self.peers is not None and self.peers.layout.holds(step.capacity, layout):
+            row = self.peers.send(*args, step.capacity)
+            got = self.peers.pull_rows(step.capacity, layout)  # once every rank sent
+            return Received(*layout.unpack(got), DecodeRoute(row, step.capacity, peers=True))
+        buffer, row = ops.ep_send_rows(*args, self.size, step.capacity)
+        got = torch.empty_like(buffer)
+        self._all_to_all(got, buffer)
+        return Received(*layout.unpack(got), DecodeRoute(row, step.capacity))
 
     def _combine_fixed(self, out: torch.Tensor, route: DecodeRoute, dtype) -> torch.Tensor:
         if route.peers:
             self.peers.put_parts(out.to(torch.float32))
-            self.peers.barrier()  # every rank's parts are there
             return self.peers.sum_parts(route.row, route.capacity, out.shape[-1], dtype)
         back = torch.empty_like(out)
         self._all_to_all(back, out.contiguous())

@@ -2,23 +2,27 @@
 
 Each rank allocates one buffer and shares it through CUDA IPC: the handles go around
 the group's ``control`` (gloo) group once, at start-up, and every rank opens the
-others'. DECODE-mode dispatch and combine then skip NCCL (``dispatch.py``):
+others'. DECODE-mode dispatch and combine then skip NCCL (``dispatch.py``), in three
+launches besides the experts (``kernels/triton/ep_peer.py``):
 
-1. a rank writes the rows it sends each rank into its own send rows (rank ``d``'s at
-   ``d * C ..``, as the all-to-all's buffer);
-2. barrier; each rank reads its rows out of every rank's send rows
-   (``triton/ep_peer.py``);
-3. its experts run; it copies their partial sums into its own parts;
-4. barrier; each rank reads its tokens' parts out of every rank's parts and adds them.
+1. ``send``: a rank writes the rows it sends each rank into its own send rows (rank
+   ``d``'s at ``d * C ..``, as the all-to-all's buffer) and how many there are, and
+   opens the layer's two barrier epochs;
+2. ``pull_rows``: first barrier (the kernel's programs meet the other ranks on the
+   device), then each rank reads its rows out of every rank's send rows;
+3. its experts run; ``put_parts`` copies their partial sums into its own buffer;
+4. ``sum_parts``: second barrier, then each rank reads its tokens' parts out of every
+   rank's buffer and adds them.
 
 A rank writes only into its own buffer, and the two barriers keep every read between
 the write before it and the write after it: a rank overwrites its send rows (its
 parts) only after a barrier the others reach once their reads of them are done.
 
-A buffer: ``[flags: N int64][send rows: N * rows x row bytes][parts: N * rows x hidden
-float32]``, each part 256-byte aligned. ``rows`` bounds the capacity that goes this
-way (the engine passes its largest decode batch, drafts included); a larger DECODE
-step swaps over NCCL, as every rank decides from the capacity alone.
+A buffer: ``[flags: N int64][counts: N int32][send rows: N * rows x row bytes][parts:
+N * rows x hidden float32]``, each part 256-byte aligned (``PeerLayout``). ``rows``
+bounds the capacity that goes this way (the engine passes its largest decode batch,
+drafts included); a larger DECODE step swaps over NCCL, as every rank decides from the
+capacity alone.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 import torch
 
-from splitserve.kernels.ep_rows import RowLayout
+from splitserve.kernels.ep_rows import PeerOffsets, RowLayout
 
 ALIGN = 256  # bytes
 
@@ -46,22 +50,20 @@ class PeerLayout:
     row: RowLayout  # the widest row sent
 
     @property
-    def send_offset(self) -> int:
-        return _aligned(8 * self.ranks)
-
-    @property
-    def parts_offset(self) -> int:
-        return self.send_offset + _aligned(self.ranks * self.rows * self.row.bytes)
+    def offsets(self) -> PeerOffsets:
+        counts = _aligned(8 * self.ranks)
+        send = counts + _aligned(4 * self.ranks)
+        parts = send + _aligned(self.ranks * self.rows * self.row.bytes)
+        return PeerOffsets(flags=0, counts=counts, send=send, parts=parts)
 
     @property
     def nbytes(self) -> int:
-        return self.parts_offset + _aligned(self.ranks * self.rows * self.row.hidden * 4)
+        return self.offsets.parts + _aligned(self.ranks * self.rows * self.row.hidden * 4)
 
     def holds(self, capacity: int, row: RowLayout) -> bool:
         """Whether a step of ``capacity`` rows of ``row`` fits the buffer."""
-        return (
-            capacity <= self.rows and row.bytes <= self.row.bytes and row.hidden <= self.row.hidden
-        )
+        fits = row.bytes <= self.row.bytes and row.hidden <= self.row.hidden
+        return 1 <= capacity <= self.rows and fits
 
 
 def peers_reachable(control: Any, rank: int, size: int, device: torch.device) -> bool:
@@ -86,6 +88,7 @@ class PeerMemory:
         import cupy
 
         self.rank, self.layout, self.device = rank, layout, device
+        self.offsets = layout.offsets
         index = device.index if device.index is not None else torch.cuda.current_device()
         with cupy.cuda.Device(index):
             self._memory = cupy.cuda.memory.Memory(layout.nbytes)
@@ -98,34 +101,50 @@ class PeerMemory:
             }
         addresses = [self._opened.get(r, self._memory.ptr) for r in range(layout.ranks)]
         self.bases = torch.tensor(addresses, dtype=torch.int64, device=device)
-        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # barriers so far
+        self.counter = torch.zeros(1, dtype=torch.int64, device=device)  # barrier epochs
         mem = cupy.cuda.MemoryPointer(self._memory, 0)
         whole = cupy.ndarray((layout.nbytes,), dtype=cupy.uint8, memptr=mem)
         self._buffer = torch.as_tensor(whole, device=device)
         control.barrier().wait()  # every rank opened every buffer before any barrier runs
 
-    def send_rows(self, capacity: int, row: RowLayout) -> torch.Tensor:
-        """``uint8 [N * C, row bytes]``: this rank's send rows for a step."""
-        start, count = self.layout.send_offset, self.layout.ranks * capacity
-        return self._buffer[start : start + count * row.bytes].view(count, row.bytes)
+    def send(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        slot_mapping: torch.Tensor | None,
+        experts_per_rank: int,
+        capacity: int,
+    ) -> torch.Tensor:
+        """Write this rank's send rows and their counts, and open the layer's two
+        barriers; ``row [T, N]`` (``ep_rows.send_rows``)."""
+        row = RowLayout(hidden.shape[-1], topk_ids.shape[-1], hidden.dtype)
+        start, count = self.offsets.send, self.layout.ranks * capacity
+        send = self._buffer[start : start + count * row.bytes].view(count, row.bytes)
+        counts = self._buffer[self.offsets.counts :][: 4 * self.layout.ranks].view(torch.int32)
+        return _kernels().send_rows(
+            send, counts, self.counter, hidden, topk_ids, topk_weights, slot_mapping,
+            experts_per_rank, capacity,
+        )  # fmt: skip
+
+    def pull_rows(self, capacity: int, row: RowLayout) -> torch.Tensor:
+        """After the first barrier: the ``[N * C, row bytes]`` rows sent this rank."""
+        return _kernels().pull_rows(
+            self.bases, self.counter, self.rank, capacity, self.offsets, row
+        )
 
     def put_parts(self, parts: torch.Tensor) -> None:
         """Copy the experts' float32 sums (``[N * C, hidden]``) into this rank's parts."""
-        start = self.layout.parts_offset
+        start = self.offsets.parts
         flat = self._buffer[start : start + parts.numel() * 4].view(torch.float32)
         flat.view_as(parts).copy_(parts)
-
-    def barrier(self) -> None:
-        _kernels().barrier(self.bases, self.counter, self.rank, 0)
-
-    def pull_rows(self, capacity: int, row: RowLayout) -> torch.Tensor:
-        return _kernels().pull_rows(self.bases, self.rank, capacity, self.layout.send_offset, row)
 
     def sum_parts(
         self, row: torch.Tensor, capacity: int, hidden: int, out_dtype: torch.dtype
     ) -> torch.Tensor:
+        """After the second barrier: each of this rank's tokens' parts, summed."""
         return _kernels().sum_peer_parts(
-            self.bases, row, self.rank, capacity, self.layout.parts_offset, hidden, out_dtype
+            self.bases, self.counter, row, self.rank, capacity, self.offsets, hidden, out_dtype
         )
 
     def close(self) -> None:

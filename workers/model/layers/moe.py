@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from splitserve.kernels.ops import fused_moe, noaux_tc_topk, softmax_topk
+from splitserve.kernels.ops import ep_count_choices, fused_moe, noaux_tc_topk, softmax_topk
 from splitserve.workers.model.layers.layernorm import AddNorm
 from splitserve.workers.model.layers.mlp import GatedMLP
 from splitserve.workers.runner.step_plan import StepPlan
@@ -172,8 +172,7 @@ class Experts(nn.Module):
 
     def count_tokens(self, local_ids: torch.Tensor) -> None:
         """Add the pairs each local expert got (id -1: none); no host sync."""
-        ids = local_ids.flatten().long()
-        self.tokens_per_expert.scatter_add_(0, ids.clamp(min=0), (ids >= 0).long())
+        ep_count_choices(self.tokens_per_expert, local_ids)
 
 
 class MoEBlock(nn.Module):
