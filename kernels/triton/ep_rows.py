@@ -26,7 +26,6 @@ def _number_rows_kernel(
     slots_ptr,  # [T] or a dummy
     row_ptr,  # [T, RANKS] int64
     counts_ptr,  # PEER: [RANKS] int32, the rows sent each rank
-    counter_ptr,  # PEER: [1] int64, the barrier epochs, advanced by 2 a layer
     num_tokens,
     experts_per_rank,
     capacity,
@@ -59,7 +58,6 @@ def _number_rows_kernel(
         seen += tl.sum(sends, axis=0)
     if PEER:  # the ranks' shared buffers (``ep_peer.py``): what the readers need
         tl.store(counts_ptr + ranks, seen, mask=ranks < RANKS)
-        tl.store(counter_ptr, tl.load(counter_ptr) + 2)
 
 
 @triton.jit
@@ -163,7 +161,7 @@ def send_rows(
     ids = topk_ids.contiguous()
     slots = slot_mapping.contiguous() if slot_mapping is not None else row
     _number_rows_kernel[(1,)](
-        ids, slots, row, row, row, num_tokens, experts_per_rank, capacity,
+        ids, slots, row, row, num_tokens, experts_per_rank, capacity,
         HAS_SLOTS=slot_mapping is not None, TOP_K=top_k, RANKS=ranks,
         BLOCK_R=triton.next_power_of_2(ranks), CHUNK=CHUNK,
     )  # fmt: skip

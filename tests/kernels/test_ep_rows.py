@@ -71,7 +71,7 @@ def _rank_buffers(ranks: int, capacity: int, layout: RowLayout):
         want, want_row = ref.send_rows(hidden, ids, weights, slots, 8, ranks, capacity)
         send = buffer[offsets.send : offsets.send + send_bytes].view(-1, layout.bytes)
         counts = buffer[offsets.counts : offsets.counts + 4 * ranks].view(torch.int32)
-        row = peer.send_rows(send, counts, counters[r], hidden, ids, weights, slots, 8, capacity)
+        row = peer.send_rows(send, counts, hidden, ids, weights, slots, 8, capacity)
         assert torch.equal(row, want_row)
         sends.append(want), routes.append(row)
     bases = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
@@ -82,15 +82,15 @@ def _flags(buffer: torch.Tensor, ranks: int) -> torch.Tensor:
     return buffer[: 8 * ranks].view(torch.int64)
 
 
-def test_send_rows_write_the_rows_their_counts_and_open_two_epochs():
+def test_send_rows_write_the_rows_and_their_counts():
     """The rows sent equal the reference's, rows past a rank's count keep their stale
-    bytes, the counts are the rows each rank gets, the epoch counter moves by 2."""
+    bytes, the counts are the rows each rank gets."""
     layout = RowLayout(40, 3, torch.float32)
-    _, offsets, buffers, counters, sends, routes = _rank_buffers(2, 6, layout)
-    for buffer, counter, want, row in zip(buffers, counters, sends, routes):
+    _, offsets, buffers, _, sends, routes = _rank_buffers(2, 6, layout)
+    for buffer, want, row in zip(buffers, sends, routes):
         per_rank = [int((row[:, d] < 12).sum()) for d in range(2)]
         counts = buffer[offsets.counts : offsets.counts + 8].view(torch.int32)
-        assert counts.tolist() == per_rank and counter.item() == 2
+        assert counts.tolist() == per_rank
         send = buffer[offsets.send : offsets.send + 12 * layout.bytes].view(12, layout.bytes)
         for d in range(2):
             assert torch.equal(send[d * 6 : d * 6 + per_rank[d]], want[d * 6 : d * 6 + per_rank[d]])
@@ -101,39 +101,29 @@ def test_send_rows_write_the_rows_their_counts_and_open_two_epochs():
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_pull_rows_read_what_every_rank_sends_here(ranks):
     """Rank r's rows out of every rank's send rows, places past a rank's count padding
-    (ids -1, 0xFF bytes) whatever stale bytes lie there; the pull signals the layer's
-    first epoch to every rank (the others' flags set ahead, so nobody waits here)."""
+    (ids -1, 0xFF bytes) whatever stale bytes lie there."""
     layout = RowLayout(40, 3, torch.float32)
-    bases, offsets, buffers, counters, sends, _ = _rank_buffers(ranks, 6, layout)
+    bases, offsets, buffers, _, sends, _ = _rank_buffers(ranks, 6, layout)  # kept alive
     for r in range(ranks):
-        for buffer in buffers:
-            _flags(buffer, ranks).fill_(10**6)
-        got = peer.pull_rows(bases, counters[r], r, 6, offsets, layout)
+        got = peer.pull_rows(bases, r, 6, offsets, layout)
         assert torch.equal(got, ref.pull_rows(sends, r, 6, layout))
-        assert all(_flags(buffer, ranks)[r].item() == 1 for buffer in buffers)
     padding = (layout.unpack(got)[1] < 0).all(dim=-1)
     assert padding.any() and (got[padding] == ref.PAD_BYTE).all()
 
 
 @pytest.mark.parametrize("num_tokens", [None, 0])
 def test_sum_peer_parts_add_every_rank_s_part(num_tokens):
-    """Each token's parts read from every rank's buffer and added as the reference; a
-    rank with no tokens still signals the layer's second epoch."""
+    """Each token's parts read from every rank's buffer and added as the reference."""
     ranks, capacity, hidden = 3, 6, 40
     layout = RowLayout(hidden, 3, torch.float32)
-    bases, offsets, buffers, counters, _, routes = _rank_buffers(ranks, capacity, layout)
+    bases, offsets, buffers, _, _, routes = _rank_buffers(ranks, capacity, layout)
     parts = [torch.randn(ranks * capacity, hidden, device=DEVICE) for _ in range(ranks)]
     for buffer, part in zip(buffers, parts):
         buffer[offsets.parts :].view(torch.float32).copy_(part.flatten())
     for r in range(ranks):
-        for buffer in buffers:
-            _flags(buffer, ranks).fill_(10**6)
         row = routes[r][:num_tokens]
-        got = peer.sum_peer_parts(
-            bases, counters[r], row, r, capacity, offsets, hidden, torch.float32
-        )
+        got = peer.sum_peer_parts(bases, row, r, capacity, offsets, hidden, torch.float32)
         assert torch.equal(got, ref.sum_peer_parts(parts, row, r, capacity))
-        assert all(_flags(buffer, ranks)[r].item() == 2 for buffer in buffers)
 
 
 def test_count_choices_equal_the_reference():

@@ -2,17 +2,16 @@
 
 Each rank allocates one buffer and shares it through CUDA IPC: the handles go around
 the group's ``control`` (gloo) group once, at start-up, and every rank opens the
-others'. DECODE-mode dispatch and combine then skip NCCL (``dispatch.py``), in three
-launches besides the experts (``kernels/triton/ep_peer.py``):
+others'. DECODE-mode dispatch and combine then skip NCCL (``dispatch.py``;
+kernels: ``kernels/triton/ep_peer.py``):
 
 1. ``send``: a rank writes the rows it sends each rank into its own send rows (rank
-   ``d``'s at ``d * C ..``, as the all-to-all's buffer) and how many there are, and
-   opens the layer's two barrier epochs;
-2. ``pull_rows``: first barrier (the kernel's programs meet the other ranks on the
-   device), then each rank reads its rows out of every rank's send rows;
+   ``d``'s at ``d * C ..``, as the all-to-all's buffer) and how many there are;
+2. ``pull_rows``: a device-side barrier, then each rank reads its rows out of every
+   rank's send rows;
 3. its experts run; ``put_parts`` copies their partial sums into its own buffer;
-4. ``sum_parts``: second barrier, then each rank reads its tokens' parts out of every
-   rank's buffer and adds them.
+4. ``sum_parts``: a second barrier, then each rank reads its tokens' parts out of
+   every rank's buffer and adds them.
 
 A rank writes only into its own buffer, and the two barriers keep every read between
 the write before it and the write after it: a rank overwrites its send rows (its
@@ -116,22 +115,21 @@ class PeerMemory:
         experts_per_rank: int,
         capacity: int,
     ) -> torch.Tensor:
-        """Write this rank's send rows and their counts, and open the layer's two
-        barriers; ``row [T, N]`` (``ep_rows.send_rows``)."""
+        """Write this rank's send rows and their counts; ``row [T, N]``
+        (``ep_rows.send_rows``)."""
         row = RowLayout(hidden.shape[-1], topk_ids.shape[-1], hidden.dtype)
         start, count = self.offsets.send, self.layout.ranks * capacity
         send = self._buffer[start : start + count * row.bytes].view(count, row.bytes)
         counts = self._buffer[self.offsets.counts :][: 4 * self.layout.ranks].view(torch.int32)
         return _kernels().send_rows(
-            send, counts, self.counter, hidden, topk_ids, topk_weights, slot_mapping,
+            send, counts, hidden, topk_ids, topk_weights, slot_mapping,
             experts_per_rank, capacity,
         )  # fmt: skip
 
     def pull_rows(self, capacity: int, row: RowLayout) -> torch.Tensor:
-        """After the first barrier: the ``[N * C, row bytes]`` rows sent this rank."""
-        return _kernels().pull_rows(
-            self.bases, self.counter, self.rank, capacity, self.offsets, row
-        )
+        """After a barrier: the ``[N * C, row bytes]`` rows every rank sent this rank."""
+        _kernels().barrier(self.bases, self.counter, self.rank, self.offsets)
+        return _kernels().pull_rows(self.bases, self.rank, capacity, self.offsets, row)
 
     def put_parts(self, parts: torch.Tensor) -> None:
         """Copy the experts' float32 sums (``[N * C, hidden]``) into this rank's parts."""
@@ -142,9 +140,10 @@ class PeerMemory:
     def sum_parts(
         self, row: torch.Tensor, capacity: int, hidden: int, out_dtype: torch.dtype
     ) -> torch.Tensor:
-        """After the second barrier: each of this rank's tokens' parts, summed."""
+        """After a barrier: each of this rank's tokens' parts from every rank, summed."""
+        _kernels().barrier(self.bases, self.counter, self.rank, self.offsets)
         return _kernels().sum_peer_parts(
-            self.bases, self.counter, row, self.rank, capacity, self.offsets, hidden, out_dtype
+            self.bases, row, self.rank, capacity, self.offsets, hidden, out_dtype
         )
 
     def close(self) -> None:
