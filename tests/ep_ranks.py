@@ -16,6 +16,7 @@ from splitserve.workers.parallel.peer_memory import PeerLayout, PeerMemory, peer
 PREFILL, DECODE = DispatchMode.PREFILL, DispatchMode.DECODE
 
 E, HIDDEN, INTER, TOP_K = 8, 32, 16, 2
+GPU_EXPERTS = 16  # the GPU cases' routed experts
 
 
 def _routing(case: str, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -67,6 +68,18 @@ def dispatch_cases(rank: int, address: str) -> None:
     group.close()
 
 
+def _new_tokens(x, ids, weights, slots, live: int, seed: int) -> None:
+    """Random hidden states and routing over ``x``'s rows, the first ``live`` of them
+    live (KV slot 0), the rest padding (slot -1)."""
+    gen = torch.Generator(x.device).manual_seed(seed)
+    x.copy_(torch.randn(x.shape, generator=gen, device=x.device))
+    scores = torch.rand(x.shape[0], GPU_EXPERTS, generator=gen, device=x.device)
+    w, i = torch.softmax(scores, dim=-1).topk(ids.shape[-1], dim=-1)
+    ids.copy_(i)
+    weights.copy_(w / w.sum(dim=-1, keepdim=True))
+    slots.copy_(torch.where(torch.arange(x.shape[0], device=x.device) < live, 0, -1))
+
+
 def graph_case(rank: int, address: str) -> None:
     """On GPU rank ``rank`` (NCCL): DECODE-mode dispatch, the local experts and combine
     captured in a CUDA graph and replayed on new tokens equal the eager layer (bitwise)
@@ -75,7 +88,7 @@ def graph_case(rank: int, address: str) -> None:
     torch.cuda.set_device(device)
     group = join_group(rank, 2, address, device)
     g = torch.Generator(device).manual_seed(7)
-    hidden, inter, experts, top_k, capacity = 1024, 512, 16, 4, 64
+    hidden, inter, experts, top_k, capacity = 1024, 512, GPU_EXPERTS, 4, 64
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device=device) / 32).bfloat16()
     w2 = (torch.randn(experts, hidden, inter, generator=g, device=device) / 22).bfloat16()
     shard = expert_shard(rank, 2, experts)
@@ -101,13 +114,7 @@ def graph_case(rank: int, address: str) -> None:
     with torch.cuda.graph(graph):
         out = layer()
     for n in (capacity, 17, 1, 0):  # live tokens; the rest padding (slot -1)
-        gen = torch.Generator(device).manual_seed(100 * rank + n)
-        x.copy_(torch.randn(capacity, hidden, generator=gen, device=device))
-        scores = torch.rand(capacity, experts, generator=gen, device=device)
-        w, i = torch.softmax(scores, dim=-1).topk(top_k, dim=-1)
-        ids.copy_(i)
-        weights.copy_(w / w.sum(dim=-1, keepdim=True))
-        slots.copy_(torch.where(torch.arange(capacity, device=device) < n, 0, -1))
+        _new_tokens(x, ids, weights, slots, n, seed=100 * rank + n)
         graph.replay()
         replayed = out[:n].clone()
         eager = layer()[:n]
@@ -130,7 +137,7 @@ def peer_case(rank: int, address: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     group = join_group(rank, 2, address, device)
-    hidden, inter, experts, top_k, capacity = 1024, 512, 16, 4, 64
+    hidden, inter, experts, top_k, capacity = 1024, 512, GPU_EXPERTS, 4, 64
     assert peers_reachable(group.control, rank, 2, device)
     layout = PeerLayout(2, capacity, RowLayout(hidden, top_k, torch.bfloat16))
     peers = PeerMemory(group.control, rank, layout, device)
@@ -162,13 +169,7 @@ def peer_case(rank: int, address: str) -> None:
     with torch.cuda.graph(graph):
         out = layer(shared, step)
     for n in (capacity, 17, 1, 0) if rank == 0 else (capacity, 5, 0, 0):
-        gen = torch.Generator(device).manual_seed(100 * rank + n)
-        x.copy_(torch.randn(capacity, hidden, generator=gen, device=device))
-        scores = torch.rand(capacity, experts, generator=gen, device=device)
-        w, i = torch.softmax(scores, dim=-1).topk(top_k, dim=-1)
-        ids.copy_(i)
-        weights.copy_(w / w.sum(dim=-1, keepdim=True))
-        slots.copy_(torch.where(torch.arange(capacity, device=device) < n, 0, -1))
+        _new_tokens(x, ids, weights, slots, n, seed=100 * rank + n)
         want = layer(nccl, step)[:n]
         assert torch.equal(layer(shared, step)[:n], want), ("eager", n)
         graph.replay()

@@ -135,28 +135,8 @@ def send_rows(
 ) -> torch.Tensor:
     """Write this rank's send rows (as ``ep_rows.send_rows``, rows past each rank's count
     untouched) and their counts; returns ``row [T, N]``."""
-    num_tokens, top_k = topk_ids.shape
-    ranks = counts.numel()
-    layout = RowLayout(hidden.shape[-1], top_k, hidden.dtype)
-    row = torch.empty(num_tokens, ranks, dtype=torch.long, device=hidden.device)
-    ids = topk_ids.contiguous()
-    slots = slot_mapping.contiguous() if slot_mapping is not None else row
-    rows._number_rows_kernel[(1,)](
-        ids, slots, row, counts, num_tokens, experts_per_rank, capacity,
-        HAS_SLOTS=slot_mapping is not None, TOP_K=top_k, RANKS=ranks,
-        BLOCK_R=triton.next_power_of_2(ranks), CHUNK=rows.CHUNK, PEER=True,
-    )  # fmt: skip
-    if num_tokens == 0:
-        return row
-    words = hidden.to(layout.dtype)
-    words = (words if words.stride(-1) == 1 else words.contiguous()).view(torch.int32)
-    rows._write_rows_kernel[(num_tokens, ranks)](
-        words, ids, topk_weights.float().contiguous(), row, send.view(torch.int32),
-        experts_per_rank, capacity, words.stride(0),
-        HIDDEN_WORDS=layout.hidden_bytes // 4, ROW_WORDS=layout.bytes // 4, TOP_K=top_k,
-        BLOCK_K=triton.next_power_of_2(top_k), RANKS=ranks, WORDS=rows.WORDS,
-    )  # fmt: skip
-    return row
+    args = (hidden, topk_ids, topk_weights, slot_mapping, experts_per_rank, counts.numel())
+    return rows.write_rows(send, *args, capacity, counts=counts)
 
 
 def barrier(bases: torch.Tensor, counter: torch.Tensor, rank: int, offsets: PeerOffsets) -> None:

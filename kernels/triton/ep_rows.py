@@ -25,7 +25,7 @@ def _number_rows_kernel(
     ids_ptr,  # [T, TOP_K]
     slots_ptr,  # [T] or a dummy
     row_ptr,  # [T, RANKS] int64
-    counts_ptr,  # PEER: [RANKS] int32, the rows sent each rank
+    counts_ptr,  # PEER: [RANKS] int32, the rows sent each rank (else a dummy)
     num_tokens,
     experts_per_rank,
     capacity,
@@ -148,23 +148,44 @@ def send_rows(
     capacity: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``ep_rows.send_rows``."""
+    layout = RowLayout(hidden.shape[-1], topk_ids.shape[-1], hidden.dtype)
+    layout.check()
+    buffer = torch.full(
+        (ranks * capacity, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=hidden.device
+    )
+    row = write_rows(
+        buffer, hidden, topk_ids, topk_weights, slot_mapping, experts_per_rank, ranks, capacity
+    )
+    return buffer, row
+
+
+def write_rows(
+    buffer: torch.Tensor,  # uint8 [N * C, row bytes]
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    experts_per_rank: int,
+    ranks: int,
+    capacity: int,
+    counts: torch.Tensor | None = None,  # int32 [N]: also write the rows each rank gets
+) -> torch.Tensor:
+    """Number the rows and write them into ``buffer`` (rows nobody gets untouched);
+    ``row [T, N]``. Two launches; with ``counts``, the numbering always runs."""
     num_tokens, top_k = topk_ids.shape
     layout = RowLayout(hidden.shape[-1], top_k, hidden.dtype)
-    layout.check()
-    device = hidden.device
-    buffer = torch.full(
-        (ranks * capacity, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=device
-    )
-    row = torch.empty(num_tokens, ranks, dtype=torch.long, device=device)
-    if num_tokens == 0:
-        return buffer, row
+    row = torch.empty(num_tokens, ranks, dtype=torch.long, device=hidden.device)
+    if num_tokens == 0 and counts is None:
+        return row
     ids = topk_ids.contiguous()
     slots = slot_mapping.contiguous() if slot_mapping is not None else row
     _number_rows_kernel[(1,)](
-        ids, slots, row, row, num_tokens, experts_per_rank, capacity,
-        HAS_SLOTS=slot_mapping is not None, TOP_K=top_k, RANKS=ranks,
-        BLOCK_R=triton.next_power_of_2(ranks), CHUNK=CHUNK,
+        ids, slots, row, row if counts is None else counts, num_tokens, experts_per_rank,
+        capacity, HAS_SLOTS=slot_mapping is not None, TOP_K=top_k, RANKS=ranks,
+        BLOCK_R=triton.next_power_of_2(ranks), CHUNK=CHUNK, PEER=counts is not None,
     )  # fmt: skip
+    if num_tokens == 0:
+        return row
     words = hidden.to(layout.dtype)
     words = (words if words.stride(-1) == 1 else words.contiguous()).view(torch.int32)
     _write_rows_kernel[(num_tokens, ranks)](
@@ -173,7 +194,7 @@ def send_rows(
         HIDDEN_WORDS=layout.hidden_bytes // 4, ROW_WORDS=layout.bytes // 4, TOP_K=top_k,
         BLOCK_K=triton.next_power_of_2(top_k), RANKS=ranks, WORDS=WORDS,
     )  # fmt: skip
-    return buffer, row
+    return row
 
 
 def sum_rows(
