@@ -22,6 +22,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from splitserve.workers.runner.forward_counts import merge_rows
+
 INGRESS = "ingress"  # the stats-board pool under which ingress replicas post their samples
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -98,6 +100,22 @@ class PoolCollector:
                 family.add_metric([pool], self._sum(pool, key))
             yield family
         yield self._acceptance_lengths(pools)
+        yield self._forwards()
+
+    def _forwards(self) -> CounterMetricFamily:
+        """Per pool, step kind and how it ran: the engines' forwards (graph hit rates)."""
+        family = CounterMetricFamily(
+            "splitserve_forwards",
+            "Forwards of engine steps by kind (prefill, mixed, decode, verify, MTP draft) "
+            "and how they ran (a CUDA graph replayed, piecewise graphs, eager); an "
+            "expert-parallel group's ranks summed",
+            labels=["pool", "kind", "how"],
+        )
+        rows = [(pool, stats.get("forward_counts") or []) for pool, stats in self.snapshot.values()]
+        for pool in sorted({pool for pool, _ in rows}):
+            for kind, how, n in merge_rows(*(r for p, r in rows if p == pool)):
+                family.add_metric([pool, kind, how], n)
+        return family
 
     def _acceptance_lengths(self, pools: list[str]) -> HistogramMetricFamily:
         """Per pool: how many drafts each verify step of a request accepted."""

@@ -131,7 +131,7 @@ def test_two_streams_decode_on_both_ranks_and_disconnects_free_every_rank(server
     _all_ranks_free(server)
 
 
-def test_metrics_show_each_ranks_tokens_per_expert(server):
+def test_metrics_show_each_ranks_tokens_per_expert_and_forwards(server):
     m = server.metrics()
     for pool in ("prefill", "decode"):
         per_rank = [0.0, 0.0]
@@ -141,6 +141,10 @@ def test_metrics_show_each_ranks_tokens_per_expert(server):
                 per_rank[int(hit.group(1))] += value
         assert all(count > 0 for count in per_rank), (pool, per_rank)
     assert len(_rank_blocks(server, "decode")) == 2
+    # the forwards each pool's ranks ran, by kind (all eager on CPU)
+    assert m['splitserve_forwards_total{how="eager",kind="prefill",pool="prefill"}'] > 0
+    assert m['splitserve_forwards_total{how="eager",kind="decode",pool="decode"}'] > 0
+    assert not any("forwards" in name and 'how="graph"' in name for name in m)
 
 
 def _rank_pids(engine_pid: int) -> list[int]:

@@ -225,6 +225,10 @@ class WorkerStats:
     # Expert parallelism: per rank, its free KV blocks (the counts above are the
     # group's sums); [] without it.
     rank_free_blocks: list[int] = field(default_factory=list)
+    # Forwards so far by step kind and how they ran (graph, piecewise, eager):
+    # ``[[kind, how, count], ...]`` (``workers/runner/forward_counts.py``); a group's
+    # ranks summed.
+    forward_counts: list[list] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 
 from splitserve.workers.engine.messages import WorkerStats
+from splitserve.workers.runner.forward_counts import merge_rows
 
 SUMMED = (
     "num_running",
@@ -44,4 +45,5 @@ def merge_group_stats(rank0: WorkerStats, others: list[WorkerStats]) -> WorkerSt
         spec_acceptance_lengths=[sum(n) for n in itertools.zip_longest(*lengths, fillvalue=0)],
         kv_usage=1.0 - free / total if total else 0.0,
         rank_free_blocks=[s.num_free_blocks for s in ranks],
+        forward_counts=merge_rows(*(s.forward_counts for s in ranks)),
     )

@@ -38,6 +38,7 @@ from splitserve.workers.runner.cuda_graphs.owner import GraphOwner
 from splitserve.workers.runner.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
 from splitserve.workers.runner.cuda_graphs.roles import DECODE, DRAFT, PIECEWISE, graphs_for
 from splitserve.workers.runner.forward_batch import ForwardBatch
+from splitserve.workers.runner.forward_counts import ForwardCounts
 from splitserve.workers.runner.input_batch import (
     StepRequest,
     build_forward_batch,
@@ -114,6 +115,9 @@ class ModelRunner:
         self.model = model
         self.lockstep = lockstep
         self.speculator = speculator
+        self.forward_counts = ForwardCounts()  # each step's forward: its kind, how it ran
+        if speculator is not None:
+            speculator.proposer.forward_counts = self.forward_counts
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
         self.sampler = sampler
@@ -221,13 +225,14 @@ class ModelRunner:
             in_flight = previous.tokens.token_ids if previous and previous.tokens else None
             size = group.graph_size if group is not None else None
             hidden, fb = graphs.replay_steps(steps, sources, in_flight, size)
+            self.forward_counts.add("decode", "graph")
         else:
             fb = build_forward_batch(
                 steps, self.kv_cache, self.attn_backend, self.device, plan=False
             )
             _feed_pending_tokens(fb, steps, batch.requests, previous)
             fb.on_layer_stored = on_layer_stored
-            hidden = self.forward(fb, group=group)
+            hidden = self._counted_forward(fb, group)
         logits = self.model.compute_logits(fb.sampled_hidden(hidden))
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         tokens = self.sampler.sample(logits, sampling) if sampling else None
@@ -256,13 +261,14 @@ class ModelRunner:
             self.capture_graphs()
             size = group.graph_size if group is not None else None
             hidden, _ = graphs.replay_steps(rows, [-1] * len(rows), None, size)
+            self.forward_counts.add("verify" if len(rows) > len(steps) else "decode", "graph")
             target = rows  # the drafter's first pass runs over the same rows
         else:
             target = build_forward_batch(
                 steps, self.kv_cache, self.attn_backend, self.device, plan=False
             )
             target.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
-            hidden = self.forward(target, group=group)
+            hidden = self._counted_forward(target, group)
         # The step's graph decision, made once, goes to the drafter (with expert
         # parallelism the group's: every rank runs the same drafter passes).
         draft_graphs = self.draft_graphs if on_layer_stored is None else None
@@ -288,15 +294,27 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Hidden states of the step's tokens: a graph replay where one fits, else eager.
         ``group``: the expert-parallel group's step (eager, its MoE dispatch planned)."""
+        return self._forward(fb, use_graphs, group)[0]
+
+    def _counted_forward(self, fb: ForwardBatch, group: GroupStep | None) -> torch.Tensor:
+        """``forward`` of a step's batch, counted by its kind and how it ran."""
+        hidden, how = self._forward(fb, True, group)
+        self.forward_counts.add(fb.phase.value, how)
+        return hidden
+
+    def _forward(
+        self, fb: ForwardBatch, use_graphs: bool, group: GroupStep | None
+    ) -> tuple[torch.Tensor, str]:
         if self.graphs is not None and use_graphs and group is None:
             self.capture_graphs()
             runner = self.graphs.runner_for(fb)
             if runner is not None:
-                return runner.forward(fb)
+                how = "piecewise" if runner.name.startswith("piecewise") else "graph"
+                return runner.forward(fb), how
         plan_forward(fb)
         if group is not None:
             fb.plan = dataclasses.replace(fb.plan, moe_dispatch=group.dispatch(fb.slot_mapping))
-        return self.model(fb.input_ids, fb.positions, fb)
+        return self.model(fb.input_ids, fb.positions, fb), "eager"
 
     # -- expert parallelism ----------------------------------------------------
 

@@ -39,6 +39,7 @@ from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.parallel.lockstep import DraftSteps, GroupStep, dummy_step
 from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.forward_batch import ForwardBatch
+from splitserve.workers.runner.forward_counts import ForwardCounts
 from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch, to_device
 from splitserve.workers.runner.step_plan import plan_forward
 
@@ -66,6 +67,7 @@ class MTPProposer:
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
         self.graph_attn_backend = graph_attn_backend
+        self.forward_counts = ForwardCounts()  # its passes (the runner shares its own)
 
     @torch.inference_mode()
     def propose(
@@ -119,10 +121,12 @@ class MTPProposer:
                     drafts[-1], mtp_hidden, covered, slots, blocks, size
                 )
                 drafts.append(draft.clone())  # the next replay overwrites the graph's output
+                self.forward_counts.add("draft", "graph")
                 continue
             chain = self._chain_batch(covered, slots, blocks, device, chain_step)
             chain.input_ids.copy_(drafts[-1])
             mtp_hidden = self.model.mtp_forward(chain.input_ids, chain.positions, mtp_hidden, chain)
+            self.forward_counts.add("draft", "eager")
             drafts.append(self._greedy(mtp_hidden))
         return torch.stack(drafts, dim=1).tolist()
 
@@ -160,6 +164,7 @@ class MTPProposer:
         if fb.plan is None:
             plan_forward(fb)
         mtp_hidden = self.model.mtp_forward(ids, fb.positions, hidden, fb)
+        self.forward_counts.add("draft", "eager")
         return mtp_hidden, self._greedy(mtp_hidden)
 
     def _first_pass_rows(
@@ -181,6 +186,7 @@ class MTPProposer:
             _, slots = self._chain_slots(positions, blocks)
             size = group.graph_size if group is not None else None
             mtp_hidden, draft = graphs.draft(ids, hidden, positions, slots, blocks, size)
+            self.forward_counts.add("draft", "graph")
             return mtp_hidden, draft
         steps = [StepRequest([0], p, b, sample=True) for p, b in zip(positions, blocks)]
         fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, hidden.device)
