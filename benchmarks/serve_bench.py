@@ -182,6 +182,7 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
             results, seconds = run(base, low_load, "concurrency", 1, args, "low-load")
             out["low_load_ttft"] = low_load_report(results, seconds, baseline)
         out["points"] = [run_point(args, out["label"], base, p, baseline) for p in points]
+        out["forwards"] = serve_report.forwards(sp.metric_values(base))  # graph hits
     return out
 
 

@@ -71,6 +71,37 @@ def print_tables(report: dict) -> None:
         print("\nTTFT at low load, one request at a time (ms):")
         columns = ["config", "requests", "served p50", "engine p50", "added p50"]
         roofline.print_table(columns + ["served p90", "engine p90"], low)
+    forwards = [[c["label"], *row] for c in report["configs"] for row in forward_rows(c)]
+    if forwards:
+        print("\nForwards by step kind over the whole run, warm-up included (/metrics):")
+        columns = ["config", "pool", "kind", "graph", "piecewise", "eager", "graphed share"]
+        roofline.print_table(columns, forwards)
+
+
+FORWARDS = re.compile(r'splitserve_forwards_total\{how="(\w+)",kind="(\w+)",pool="(\w+)"\}')
+
+
+def forwards(metrics: dict[str, float]) -> list[dict]:
+    """``splitserve_forwards_total`` of a server's ``/metrics``: one dict a sample."""
+    found = [(FORWARDS.fullmatch(name), value) for name, value in metrics.items()]
+    return [
+        {"pool": m[3], "kind": m[2], "how": m[1], "forwards": int(value)}
+        for m, value in found
+        if m is not None
+    ]
+
+
+def forward_rows(config: dict) -> list[list]:
+    """Per pool and kind: graph, piecewise and eager forwards, and the graph share."""
+    by_kind: dict[tuple[str, str], dict[str, int]] = {}
+    for f in config.get("forwards") or []:
+        by_kind.setdefault((f["pool"], f["kind"]), {})[f["how"]] = f["forwards"]
+    rows = []
+    for (pool, kind), hows in sorted(by_kind.items()):
+        graph, piecewise, eager = (hows.get(h, 0) for h in ("graph", "piecewise", "eager"))
+        total = graph + piecewise + eager
+        rows.append([pool, kind, graph, piecewise, eager, (graph + piecewise) / total])
+    return rows
 
 
 GOOD_SHARE = 0.9  # a rate is attained when this share of its requests meets the SLO

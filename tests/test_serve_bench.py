@@ -100,6 +100,12 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     low = config["low_load_ttft"]
     assert low["requests"] == 2 and low["served"]["completed"] == 2
     assert low["engine_ttft_ms"]["p50"] > 0 and "added_p50_ms" in low
+    # the server's forwards by kind (all eager on CPU): every prompt, warm-up included,
+    # prefilled on the prefill worker; every request decoded on the decode worker
+    forwards = {(f["pool"], f["kind"], f["how"]): f["forwards"] for f in config["forwards"]}
+    assert forwards[("prefill", "prefill", "eager")] >= 1
+    assert forwards[("decode", "decode", "eager")] >= max_tokens - 1
+    assert {how for _, _, how in forwards} == {"eager"}
 
 
 def test_a_point_reports_its_median_run():
