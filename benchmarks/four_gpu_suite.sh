@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The 4-GPU run (nvidia-h200-x4 / nvidia-h100-x4), one part a device call (each under
+# 10 minutes): EP2 prefill + EP2 decode with MTP K = 1 and graphs on, served against two
+# EP2 mixed workers on the same GPUs; the dispatch benchmark at EP4; the 4-GPU EP tests.
+# --dry-run: the same parts on 2 GPUs (one-rank groups of an 8-layer GLM-4.5-Air shape,
+# dispatch at EP2). Logs, JSON and plots go to OUT_DIR.
+# Usage: bash benchmarks/four_gpu_suite.sh OUT_DIR {dispatch|serve-pd|serve-mixed|tests} [--dry-run]
+set -uo pipefail
+out=${1:?usage: four_gpu_suite.sh OUT_DIR {dispatch|serve-pd|serve-mixed|tests} [--dry-run]}
+part=${2:?usage: four_gpu_suite.sh OUT_DIR {dispatch|serve-pd|serve-mixed|tests} [--dry-run]}
+dry=${3:-}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+bench=configs/serve/bench
+if [[ $dry == --dry-run ]]; then
+  ranks=2 pd=$bench/glm45-air-8l-ep1-1p1d-mtp.yaml mixed=$bench/glm45-air-8l-ep1-mixed2-mtp.yaml
+else
+  ranks=4 pd=$bench/glm45-air-ep2-1p1d.yaml mixed=$bench/glm45-air-ep2-mixed2.yaml
+fi
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log, show the tail
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "== $name: exit $? in $((SECONDS - start)) s"
+  tail -40 "$out/$name.log"
+}
+serve() {  # serve NAME CONFIG: the served figures of one config (TTFT, TPOT, goodput, forwards)
+  step "$1" 560 python benchmarks/serve_bench.py --config "$2" --input-len 2048 \
+    --output-len 256 --num-prompts 64 --request-rate 1 2 4 --max-concurrency 32 \
+    --low-load-ttft 5 --slo-ttft-ms 2000 --slo-tpot-ms 50 \
+    --json "$out/$1.json.gz" --plot "$out/$1.png"
+}
+case $part in
+  dispatch) step ep_dispatch 300 python benchmarks/ep_dispatch.py --ranks "$ranks" \
+    --json "$out/ep_dispatch_ep$ranks.json" ;;
+  serve-pd) serve serve_bench_pd "$pd" ;;
+  serve-mixed) serve serve_bench_mixed "$mixed" ;;
+  tests) step ep_gpu_tests 560 python -m pytest -q -m gpu -p no:cacheprovider -rf \
+    tests/test_expert_parallel_serve_gpu.py tests/test_expert_parallel_mtp.py \
+    tests/test_expert_parallel_gpu.py ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
