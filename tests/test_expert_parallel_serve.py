@@ -171,6 +171,14 @@ def _engine_pid(server: Server, pool: str) -> int:
 
 
 def test_killed_rank_ends_its_groups_streams_with_a_clear_error(server):
+    killed_decode_rank_ends_its_streams(server, NUM_BLOCKS)
+
+
+def killed_decode_rank_ends_its_streams(server: Server, num_blocks: int) -> None:
+    """Two streams decoding on an EP2 decode group, its rank 1 killed: both end with the
+    rank's error (or the ingress's stall error) soon after, and the prefill group keeps
+    no block (``num_blocks`` a rank). Also run on 4 GPUs
+    (``test_expert_parallel_serve_gpu.py``)."""
     engine_pid = _engine_pid(server, "decode")
     (rank1,) = _rank_pids(engine_pid)
     prompts = _prompts(checkpoints.VOCAB_SIZE, [45, 50], seed=13)
@@ -184,7 +192,7 @@ def test_killed_rank_ends_its_groups_streams_with_a_clear_error(server):
     for t in threads:
         t.start()
     deadline = time.monotonic() + 10
-    while not all(free < NUM_BLOCKS - 1 for free in _rank_blocks(server, "decode")):
+    while not all(free < num_blocks - 1 for free in _rank_blocks(server, "decode")):
         assert time.monotonic() < deadline, "the streams did not start decoding"
         time.sleep(0.05)
     os.kill(rank1, signal.SIGKILL)
@@ -195,14 +203,15 @@ def test_killed_rank_ends_its_groups_streams_with_a_clear_error(server):
         status, raw, ended = results[i]
         assert status == 200
         # The engine names the rank; on a machine so loaded that its loop sends no stats
-        # for pools.decode.stall_timeout_s meanwhile, the ingress ends it as stalled first.
+        # for pools.decode.stall_timeout_s meanwhile (or a GPU whose rank 0 waits at the
+        # group's barrier), the ingress ends it as stalled first.
         assert "expert-parallel rank 1 of 2 is gone" in raw or "stalled" in raw, raw[-400:]
         assert raw.rstrip().endswith("data: [DONE]")
         assert ended - killed < 15  # ended by the failure, not by a timeout
     # The other group leaks nothing: the prefill ranks' blocks all return (the decode
     # replica, its health check failing, is replaced meanwhile).
     deadline = time.monotonic() + 30
-    while _rank_blocks(server, "prefill") != [NUM_BLOCKS - 1] * 2:
+    while _rank_blocks(server, "prefill") != [num_blocks - 1] * 2:
         assert time.monotonic() < deadline, _rank_blocks(server, "prefill")
         time.sleep(0.2)
 

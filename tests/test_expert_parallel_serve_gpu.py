@@ -4,6 +4,10 @@
   decode engine (GPUs 2, 3), from the rank that prefilled to the rank that decodes
   (tickets name the decode rank: ``decode/1``; rank 1's rendezvous goes through rank
   0); greedy tokens equal transformers'.
+- 4 GPUs, served: an EP2 prefill worker and an EP2 decode worker with decode graphs on
+  (dispatch through the ranks' shared buffers); the decode group's rank 1 killed
+  mid-stream ends both streams with a clear error soon after, and the prefill group
+  keeps no KV block (``test_expert_parallel_serve.killed_decode_rank_ends_its_streams``).
 - 2 GPUs of at least 130 GB (nvidia-h200-x2): the GLM-4.5-Air shape (110B parameters,
   random bf16 weights), which does not fit one GPU, served by ``splitserve serve`` as
   one EP2 mixed worker (``configs/serve/bench/glm45-air-ep2-mixed1.yaml``): it answers,
@@ -30,9 +34,10 @@ from splitserve.sampling_params import SamplingParams
 from splitserve.workers.engine.llm_engine import LLMEngine
 from splitserve.workers.parallel.rank_owner import split_owner
 from tests import checkpoints
-from tests.serve_harness import serving
+from tests.serve_harness import one_prefill_one_decode_config, serving
 from tests.test_disaggregation import Handoff
 from tests.test_engine import NEW_TOKENS, _hf_greedy, _prompts
+from tests.test_expert_parallel_serve import killed_decode_rank_ends_its_streams
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +103,19 @@ def test_ep2_prefill_hands_kv_to_the_decode_rank_over_nccl(tmp_path):
         decode.close()
     assert {t.owner for t in run.tickets.values()} == {"decode", "decode/1"}
     assert [run.tokens[f"r{i}"] for i in range(len(prompts))] == _hf_greedy(path, prompts)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_killed_decode_rank_on_gpus_ends_its_streams_and_leaks_nothing(tmp_path):
+    num_blocks = 64
+    config = one_prefill_one_decode_config(checkpoints.write_glm4_moe(tmp_path), num_blocks, 512)
+    config["engine"].update(
+        device="cuda", dtype="bfloat16", parallel={"expert_parallel_size": 2},
+        cuda_graph={"enabled": True}, kv_transfer={"transport": "nccl", "timeout_s": 60},
+    )  # fmt: skip
+    config["drain_timeout_s"] = 5.0
+    with serving(config, tmp_path / "serve") as server:
+        killed_decode_rank_ends_its_streams(server, num_blocks)
 
 
 @pytest.mark.skipif(_gpus_with(130) < 2, reason="needs 2 GPUs of 130 GB or more (H200)")
