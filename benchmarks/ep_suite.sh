@@ -9,14 +9,7 @@ tiles=${2:-}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 nvidia-smi topo -m >"$out/topo.txt" 2>&1
-step() {  # step NAME SECONDS COMMAND...: run with a limit, log, show the tail
-  local name=$1 limit=$2
-  shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - start)) s"
-  tail -25 "$out/$name.log"
-}
+source "$(dirname "$0")/suite_step.sh"
 step kernel_tests 120 python -m pytest -q -p no:cacheprovider -rf \
   tests/kernels/test_ep_rows.py tests/kernels/test_fused_moe.py
 step peer_test 120 python -m pytest -q -m gpu -p no:cacheprovider -rf \

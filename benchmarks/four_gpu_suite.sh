@@ -17,14 +17,8 @@ if [[ $dry == --dry-run ]]; then
 else
   ranks=4 pd=$bench/glm45-air-ep2-1p1d.yaml mixed=$bench/glm45-air-ep2-mixed2.yaml
 fi
-step() {  # step NAME SECONDS COMMAND...: run with a limit, log, show the tail
-  local name=$1 limit=$2
-  shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - start)) s"
-  tail -40 "$out/$name.log"
-}
+STEP_TAIL=40
+source "$(dirname "$0")/suite_step.sh"
 serve() {  # serve NAME CONFIG: the served figures of one config (TTFT, TPOT, goodput, forwards)
   step "$1" 560 python benchmarks/serve_bench.py --config "$2" --input-len 2048 \
     --output-len 256 --num-prompts 64 --request-rate 1 2 4 --max-concurrency 32 \
