@@ -132,19 +132,36 @@ def test_two_streams_decode_on_both_ranks_and_disconnects_free_every_rank(server
 
 
 def test_metrics_show_each_ranks_tokens_per_expert_and_forwards(server):
-    m = server.metrics()
-    for pool in ("prefill", "decode"):
-        per_rank = [0.0, 0.0]
-        for name, value in m.items():
-            hit = re.match(rf'splitserve_expert_tokens_total\{{.*pool="{pool}",.*rank="(\d)"', name)
-            if hit:
-                per_rank[int(hit.group(1))] += value
-        assert all(count > 0 for count in per_rank), (pool, per_rank)
+    """After a disaggregated request of its own (the pools' replicas may have been
+    replaced by an earlier test): every rank of both pools computed tokens at its
+    experts, and each pool's forwards of its kind show (all eager on CPU)."""
+    (prompt,) = _prompts(checkpoints.VOCAB_SIZE, [40], seed=17)
+    status, raw = server.request("POST", "/v1/completions", _body(prompt, max_tokens=4))
+    assert status == 200, raw
+    deadline = time.monotonic() + 15  # workers report their counters periodically
+    while True:
+        m, missing = server.metrics(), []
+        for pool in ("prefill", "decode"):
+            per_rank = _expert_tokens_per_rank(m, pool)
+            if not all(count > 0 for count in per_rank):
+                missing.append((pool, per_rank))
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not missing, missing
     assert len(_rank_blocks(server, "decode")) == 2
-    # the forwards each pool's ranks ran, by kind (all eager on CPU)
     assert m['splitserve_forwards_total{how="eager",kind="prefill",pool="prefill"}'] > 0
     assert m['splitserve_forwards_total{how="eager",kind="decode",pool="decode"}'] > 0
     assert not any("forwards" in name and 'how="graph"' in name for name in m)
+
+
+def _expert_tokens_per_rank(m: dict[str, float], pool: str) -> list[float]:
+    per_rank = [0.0, 0.0]
+    for name, value in m.items():
+        hit = re.match(rf'splitserve_expert_tokens_total\{{.*pool="{pool}",.*rank="(\d)"', name)
+        if hit:
+            per_rank[int(hit.group(1))] += value
+    return per_rank
 
 
 def _rank_pids(engine_pid: int) -> list[int]:
