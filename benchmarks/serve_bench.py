@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import time
 from pathlib import Path
 
 import yaml
@@ -182,8 +183,23 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
             results, seconds = run(base, low_load, "concurrency", 1, args, "low-load")
             out["low_load_ttft"] = low_load_report(results, seconds, baseline)
         out["points"] = [run_point(args, out["label"], base, p, baseline) for p in points]
-        out["forwards"] = serve_report.forwards(sp.metric_values(base))  # graph hits
+        out["forwards"] = settled_forwards(base)  # graph hits
     return out
+
+
+def settled_forwards(url: str, period_s: float = 1.0, timeout_s: float = 10.0) -> list[dict]:
+    """The server's forwards by step kind once its workers' reports caught up: the same
+    in two reads ``period_s`` apart (more than a report's way from an engine to
+    ``/metrics``, ``stats_period_s`` and the engine's own period)."""
+    deadline = time.monotonic() + timeout_s
+    last = serve_report.forwards(sp.metric_values(url))
+    while time.monotonic() < deadline:
+        time.sleep(period_s)
+        now = serve_report.forwards(sp.metric_values(url))
+        if now == last:
+            break
+        last = now
+    return last
 
 
 def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | None) -> dict:

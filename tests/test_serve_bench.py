@@ -103,8 +103,8 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     # the server's forwards by kind (all eager on CPU): every prompt, warm-up included,
     # prefilled on the prefill worker; every request decoded on the decode worker
     forwards = {(f["pool"], f["kind"], f["how"]): f["forwards"] for f in config["forwards"]}
-    assert forwards[("prefill", "prefill", "eager")] >= 1
-    assert forwards[("decode", "decode", "eager")] >= max_tokens - 1
+    assert forwards.get(("prefill", "prefill", "eager"), 0) >= 1, forwards
+    assert forwards.get(("decode", "decode", "eager"), 0) >= max_tokens - 1, forwards
     assert {how for _, _, how in forwards} == {"eager"}
 
 
