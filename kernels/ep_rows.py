@@ -112,11 +112,11 @@ def send_rows(
         experts_per_rank,
     )  # fmt: skip
     rows = layout.pack(hidden[:, None, :].expand(-1, ranks, -1), ids, weights)
-    padded = torch.full(
+    buffer = torch.full(
         (ranks * capacity + 1, layout.bytes), PAD_BYTE, dtype=torch.uint8, device=hidden.device
     )
-    padded.index_copy_(0, row.flatten(), rows.view(num_tokens * ranks, layout.bytes))
-    return padded[:-1], row
+    buffer.index_copy_(0, row.flatten(), rows.view(num_tokens * ranks, layout.bytes))
+    return buffer[:-1], row
 
 
 def sum_rows(
@@ -128,15 +128,10 @@ def sum_rows(
     return padded[row].float().sum(dim=1).to(out_dtype or back.dtype)
 
 
-def pull_rows(
-    sends: list[torch.Tensor], rank: int, capacity: int, layout: RowLayout
-) -> torch.Tensor:
-    """``[N * C, row bytes]``: rank ``s``'s send rows for ``rank`` at ``s * C ..``; a row
-    no expert here takes (every id -1) keeps its ids and weights, its hidden state 0xFF."""
-    got = torch.cat([send[rank * capacity : (rank + 1) * capacity] for send in sends]).clone()
-    ids = layout.unpack(got)[1]
-    got[(ids < 0).all(dim=-1), : layout.hidden_bytes] = PAD_BYTE
-    return got
+def pull_rows(sends: list[torch.Tensor], rank: int, capacity: int) -> torch.Tensor:
+    """``[N * C, row bytes]``: each rank ``s``'s send rows (``send_rows``'s buffer) for
+    ``rank``, at ``s * C ..``; the padding comes along as it is (0xFF bytes)."""
+    return torch.cat([send[rank * capacity : (rank + 1) * capacity] for send in sends])
 
 
 def sum_peer_parts(

@@ -7,7 +7,9 @@ the device) holds each rank's buffer address, and the kernels turn an address pl
 byte offset into a pointer. A buffer holds the rank's barrier flags, how many rows it
 sends each rank, its send rows (rank ``d``'s at ``d * C ..``) and its experts' partial
 sums (in the order of the rows it received). The ranks never write into each other's
-rows; they read them, after a barrier. A layer is five launches besides the experts:
+rows; they read them, after a barrier. A layer is seven launches besides the experts
+(the two of ``send_rows``, two barriers, the read, the copy of the experts' sums into
+the rank's buffer, the sum):
 
 - ``send_rows``: the row numbering (one program) also writes how many rows go to
   each rank; then a program per (token, rank) writes the row. Rows past a rank's
@@ -76,7 +78,6 @@ def _pull_rows_kernel(
     send_offset,  # ... to its send rows
     HIDDEN_WORDS: tl.constexpr,
     ROW_WORDS: tl.constexpr,
-    RANKS: tl.constexpr,
     WORDS: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
 ):
@@ -152,8 +153,8 @@ def pull_rows(
     out = torch.empty(ranks * capacity, layout.bytes, dtype=torch.uint8, device=bases.device)
     _pull_rows_kernel[(ranks * capacity,)](
         bases, out.view(torch.int32), rank, capacity, offsets.counts, offsets.send,
-        HIDDEN_WORDS=layout.hidden_bytes // 4, ROW_WORDS=layout.bytes // 4, RANKS=ranks,
-        WORDS=WORDS, BLOCK_TAIL=triton.next_power_of_2(2 * layout.top_k),
+        HIDDEN_WORDS=layout.hidden_bytes // 4, ROW_WORDS=layout.bytes // 4, WORDS=WORDS,
+        BLOCK_TAIL=triton.next_power_of_2(2 * layout.top_k),
     )  # fmt: skip
     return out
 
