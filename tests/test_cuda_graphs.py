@@ -114,7 +114,7 @@ def test_graphs_equal_eager_and_follow_transformers(family, dtype):
     graphed_llm = _llm(path, dtype, graphs=True)
     assert graphed_llm.engine.runner.graphs is not None
     graphed = _generate(graphed_llm, prompts)
-    counts = {(k, how): n for k, how, n in graphed_llm.engine.runner.forward_counts.rows()}
+    counts = {(k, how): n for k, how, n in graphed_llm.engine.runner.forward_rows()}
     assert counts.get(("decode", "graph"), 0) > 0, counts  # what /metrics shows as hits
     eager = _generate(_llm(path, dtype, graphs=False), prompts)
     if dtype == "float32":

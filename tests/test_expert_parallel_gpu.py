@@ -111,6 +111,7 @@ def test_decode_graphs_with_ep_replay_as_eager(checkpoint):
     try:
         got = _run(llm, prompts, False, params) + _run(llm, prompts[:1], True)
         modes = llm.engine.runner.lockstep.mode_counts
+        assert llm.engine.runner.lockstep.group.peers is not None  # DECODE mode: shared buffers
     finally:
         llm.engine.close()
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]

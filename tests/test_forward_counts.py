@@ -41,7 +41,7 @@ def test_an_engine_counts_every_step_s_forward_by_kind(tmp_path):
     while eng.has_unfinished_requests():
         eng.step()
         steps += 1
-    rows = {(kind, how): n for kind, how, n in eng.runner.forward_counts.rows()}
+    rows = {(kind, how): n for kind, how, n in eng.runner.forward_rows()}
     assert {how for _, how in rows} == {"eager"}
     assert rows[("prefill", "eager")] >= 1 and rows[("verify", "eager")] >= 1
     target = sum(n for (kind, _), n in rows.items() if kind != "draft")

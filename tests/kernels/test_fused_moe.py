@@ -1,10 +1,11 @@
 import pytest
 import torch
 
+from splitserve.kernels import tuning
 from splitserve.kernels.fused_moe import fused_moe as fused_moe_ref
 from splitserve.kernels.moe_align import moe_align_block_size
 from splitserve.kernels.moe_routing import softmax_topk
-from splitserve.kernels.triton.fused_moe import fused_moe
+from splitserve.kernels.triton.fused_moe import _tiles, fused_moe
 from tests.kernels.utils import DEVICE, DTYPES, assert_close, randn
 
 # (num_tokens, hidden, intermediate, num_experts, top_k); 72 and 40 are not block multiples
@@ -100,3 +101,22 @@ def test_skipped_choices_add_nothing(dtype):
     ref_part = fused_moe_ref(x, w13, w2, weights, ids, out_dtype=torch.float32)
     assert ref_part.dtype == torch.float32
     assert_close(ref_part, want.float(), dtype)
+
+
+def test_decode_tiles_come_from_the_tuning_table():
+    """Experts of at most 16 rows each take the device's ``moe_decode_tiles``; more rows,
+    larger blocks of one tiling for both GEMMs."""
+    cpu = torch.device("cpu")
+    assert _tiles(128 * 8, 64, cpu) == tuning.for_device(cpu).moe_decode_tiles
+    assert _tiles(32 * 64, 64, cpu) == tuning.MoETiles.of(32, 64, 64)
+    assert _tiles(64 * 64, 64, cpu) == tuning.MoETiles.of(64, 128, 64)
+
+
+def test_given_tiles_compute_the_same_layer():
+    """Other tiles for each GEMM (the benchmark's sweep): the same output as the reference."""
+    x = randn(9, 72)
+    w13, w2 = randn(8, 80, 72) / 8, randn(8, 72, 40) / 6
+    topk_weights, topk_ids = route(9, 8, 3)
+    tiles = tuning.MoETiles(16, tuning.Tiles(32, 32, 2, 4), tuning.Tiles(16, 64, 2, 4))
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, tiles=tiles)
+    assert_close(out, fused_moe_ref(x, w13, w2, topk_weights, topk_ids), torch.float32)

@@ -365,7 +365,7 @@ def _engine_stats(engine: LLMEngine, num_steps: int) -> WorkerStats:
         spec_num_draft_tokens=spec.num_draft_tokens,
         spec_num_accepted_tokens=spec.num_accepted_tokens,
         spec_acceptance_lengths=list(spec.acceptance_lengths),
-        forward_counts=engine.runner.forward_counts.rows(),
+        forward_counts=engine.runner.forward_rows(),
     )
 
 

@@ -110,16 +110,26 @@ def attach_dispatcher(model: nn.Module, group: ExpertGroup, max_rows: int = 0) -
     if not experts:
         return
     if group.device.type == "cuda" and max_rows > 0 and group.peers is None:
-        top_k = max(m.gate.top_k for m in model.modules() if isinstance(m, MoEBlock))
-        weight = experts[0].w13_weight
-        row = RowLayout(weight.shape[-1], top_k, weight.dtype)
-        if peers_reachable(group.control, group.rank, group.size, group.device):
-            layout = PeerLayout(group.size, max_rows, row)
-            group.peers = PeerMemory(group.control, group.rank, layout, group.device)
+        group.peers = _shared_buffers(model, experts[0], group, max_rows)
     shard = experts[0].shard
     dispatcher = Dispatcher(group.data, group.rank, group.size, shard.count, group.peers)
     for module in experts:
         module.dispatcher = dispatcher
+
+
+def _shared_buffers(
+    model: nn.Module, experts: Experts, group: ExpertGroup, max_rows: int
+) -> PeerMemory | None:
+    """The group's shared buffers, sized for ``max_rows`` of the model's widest dispatched
+    row; None (NCCL) unless every rank reaches every other rank's GPU."""
+    if not peers_reachable(group.control, group.rank, group.size, group.device):
+        return None
+    top_k = max(m.gate.top_k for m in model.modules() if isinstance(m, MoEBlock))
+    weight = experts.w13_weight
+    row = RowLayout(weight.shape[-1], top_k, weight.dtype)
+    return PeerMemory(
+        group.control, group.rank, PeerLayout(group.size, max_rows, row), group.device
+    )
 
 
 def free_address(host: str = "127.0.0.1") -> str:

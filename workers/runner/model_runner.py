@@ -38,7 +38,7 @@ from splitserve.workers.runner.cuda_graphs.owner import GraphOwner
 from splitserve.workers.runner.cuda_graphs.piecewise_runner import PiecewiseGraphRunner
 from splitserve.workers.runner.cuda_graphs.roles import DECODE, DRAFT, PIECEWISE, graphs_for
 from splitserve.workers.runner.forward_batch import ForwardBatch
-from splitserve.workers.runner.forward_counts import ForwardCounts
+from splitserve.workers.runner.forward_counts import ForwardCounts, merge_rows
 from splitserve.workers.runner.input_batch import (
     StepRequest,
     build_forward_batch,
@@ -116,8 +116,6 @@ class ModelRunner:
         self.lockstep = lockstep
         self.speculator = speculator
         self.forward_counts = ForwardCounts()  # each step's forward: its kind, how it ran
-        if speculator is not None:
-            speculator.proposer.forward_counts = self.forward_counts
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
         self.sampler = sampler
@@ -284,6 +282,14 @@ class ModelRunner:
             if s.num_computed and len(s.new_token_ids) == 1 + s.num_drafts
         )
         return LaunchedStep(batch, sampling, None, num_tokens - decode, decode, speculative=spec)
+
+    def forward_rows(self) -> list[list]:
+        """Every forward so far, the MTP drafter's passes included (``ForwardCounts.rows``)."""
+        if self.speculator is None:
+            return self.forward_counts.rows()
+        return merge_rows(
+            self.forward_counts.rows(), self.speculator.proposer.forward_counts.rows()
+        )
 
     @property
     def num_speculative_tokens(self) -> int:

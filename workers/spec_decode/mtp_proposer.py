@@ -67,7 +67,7 @@ class MTPProposer:
         self.kv_cache = kv_cache
         self.attn_backend = attn_backend
         self.graph_attn_backend = graph_attn_backend
-        self.forward_counts = ForwardCounts()  # its passes (the runner shares its own)
+        self.forward_counts = ForwardCounts()  # its passes (``ModelRunner.forward_rows``)
 
     @torch.inference_mode()
     def propose(
