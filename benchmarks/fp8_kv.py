@@ -8,7 +8,7 @@ Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16):
   one CUDA graph (as a decode graph runs them; a layer's call stores its new rows
   too), in a bf16 cache and in an FP8 cache with calibrated scales, through the
   engine's FlashInfer backend: the Triton split-KV kernel (the engine's choice at
-  batch 64) and FlashInfer's tensor-core decode. Each against its own floor: the
+  batch 64) and FlashInfer's tensor-core and CUDA-core decode. Each against its own floor: the
   KV bytes it reads (1 byte an element in FP8, 2 in bf16) plus q and out at the
   measured copy bandwidth. The target: FP8 within 1.15x of its floor and faster
   than bf16 in absolute time. One more FP8 row: the split-KV kernel as decode
@@ -66,7 +66,7 @@ MODEL_LAYERS = 36
 LAYERS = 4  # decode: 64 x 8k tokens of 36 layers would not fit (77 GB in bf16)
 BATCH, CONTEXT = 64, 8192
 PROMPT = 4096
-KERNELS = ("Triton split-KV", "FlashInfer tensor cores")
+KERNELS = ("Triton split-KV", "FlashInfer tensor cores", "FlashInfer CUDA cores")
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 TOLERANCE = {"bf16": 2e-2, "fp8": 2e-2}  # against torch on the same (quantized) cache
 TARGET_OF_FLOOR = 1.15
@@ -97,7 +97,7 @@ def decode_row(cache: KVCache, kv: str, kernels: str, bandwidth: float, repeat: 
     device = cache.k[0].device
     backend = FlashInferAttentionBackend(
         HEADS, KV_HEADS, DIM, torch.bfloat16, device,
-        decode_tensor_cores=True,
+        decode_tensor_cores=kernels != "FlashInfer CUDA cores",
         split_kv_max_batch=BATCH if kernels == "Triton split-KV" else 0,
         kv_dtype=cache.layout.dtype,
     )  # fmt: skip

@@ -50,6 +50,18 @@ class MoETiles:
 
 
 @dataclass(frozen=True)
+class DecodeTiles:
+    """The split-KV decode kernel's launch (``triton/decode_attention.py``): tokens a tile,
+    pipeline depth, warps; and for an FP8 cache, whether its tiles widen to float16 (exact
+    for e4m3, as bfloat16 is) with q cast to float16 for the products."""
+
+    block_n: int
+    num_stages: int
+    num_warps: int
+    fp8_f16_dot: bool = False
+
+
+@dataclass(frozen=True)
 class GpuTuning:
     """What one kind of GPU takes."""
 
@@ -64,6 +76,13 @@ class GpuTuning:
     # The fused MoE where its experts get at most 16 rows each (decode): the best of
     # ``benchmarks/moe_tiles.py`` on every shape it sweeps (H200, 2026-11-26: 3-6% faster
     # than 64 x 64 blocks on both GEMMs).
+    # The split-KV decode kernel on a cache in the model's dtype and on an FP8 cache: the
+    # best of ``benchmarks/decode_tiles.py`` at 64 requests x 8k (H200, 2026-11-26). FP8
+    # tiles of 64 tokens in bfloat16 ran 2.7x their floor, as slow as bf16's tiles.
+    split_kv_tiles: DecodeTiles = field(default_factory=lambda: DecodeTiles(64, 3, 4))
+    split_kv_fp8_tiles: DecodeTiles = field(
+        default_factory=lambda: DecodeTiles(128, 1, 2, fp8_f16_dot=True)
+    )
     moe_decode_tiles: MoETiles = field(
         default_factory=lambda: MoETiles(
             16, gate_up=Tiles(128, 128, 3, 4), down=Tiles(64, 128, 4, 8)

@@ -36,9 +36,15 @@ latency hides behind the projection. Only both together gained: the early launch
 alone lost (its programs wait beside the projection), and at eight requests the
 preload lost, so it runs at one request only. Figures: ``docs/perf/TUNING.md``.
 
+Tiles (tokens a tile, pipeline stages, warps) come from the tuning table
+(``tuning.DecodeTiles``), one for a cache in the model's dtype and one for FP8. An
+int64 block table is read as its entries' low int32 words: with int64 loads Triton
+compiled a loop 1.38x slower at 64 requests x 8k (``docs/perf/TUNING.md``).
+
 An FP8 cache (``kv_scales``) is read at half the bytes: each tile of K and V is
-widened to q's dtype as it is loaded, K's scale joins the softmax scale and V's
-multiplies the output; a new row is stored quantized with the scales and attended
+widened as it is loaded (to float16, q cast to it too, where the tiles say
+``fp8_f16_dot`` and q is 16-bit: 1.3x faster than bfloat16 on an H200; both hold e4m3
+exactly), K's scale joins the softmax scale and V's multiplies the output; a new row is stored quantized with the scales and attended
 as a later step will read it. A scale still 0 (not calibrated: in practice never in
 a decode step, whose prompts set it) is set as ``store_kv_fp8`` sets it: every
 program that reads 0 takes the amax over all the step's stored new rows (the same
@@ -58,12 +64,13 @@ import torch
 import triton
 import triton.language as tl
 
+from splitserve.kernels import tuning
 from splitserve.kernels.decode_attention import check_shapes
 from splitserve.kernels.triton.device import sm_count
 from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
 from splitserve.kernels.triton.qk_norm_rope import norm_rope_rows
+from splitserve.kernels.tuning import DecodeTiles
 
-BLOCK_N = 64  # tokens per tile: nearer the KV floor at batch 64 than 32 (TUNING.md)
 MAX_SPLITS = 32
 # Both launches start early (``pdl.py``) up to this batch; at 64 requests that made a
 # decode step slower (TUNING.md), for reasons not pinned down.
@@ -85,11 +92,16 @@ def _load_tile(
     BLOCK_N: tl.constexpr,
     stride_cache_block,
     stride_cache_offset,
+    LOW_WORDS: tl.constexpr,  # an int64 table: read its entries' low int32 words
 ):
     """K and V of tokens ``[first, first + BLOCK_N)`` below ``end``, through the block table."""
     tokens = first + tl.arange(0, BLOCK_N)
     valid = tokens < end
-    block = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    if LOW_WORDS:  # block ids < 2**31, little-endian
+        low = table.to(tl.pointer_type(tl.int32), bitcast=True)
+        block = tl.load(low + 2 * (tokens // BLOCK_SIZE), mask=valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     row = block * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_offset + head_off
     kv_mask = valid[:, None] & dim_ok[None, :]
     k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
@@ -193,6 +205,8 @@ def _split_kernel(
     BLOCK_KV: tl.constexpr,
     PRELOAD: tl.constexpr,  # load the first tile before waiting for the previous kernel
     PDL: tl.constexpr,
+    F16_DOT: tl.constexpr,  # FP8: q and the widened tiles in float16 (``DecodeTiles``)
+    LOW_WORDS: tl.constexpr,  # an int64 block table read as its low int32 words
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -210,7 +224,7 @@ def _split_kernel(
     if PRELOAD:  # the first tile of cached tokens, which no kernel of this step writes
         k0, v0, valid0 = _load_tile(
             k_cache_ptr, v_cache_ptr, table, start, cached_end, head_off, dims, dim_ok,
-            BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset,
+            BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset, LOW_WORDS,
         )  # fmt: skip
     wait_previous_kernel(PDL)
 
@@ -228,6 +242,8 @@ def _split_kernel(
         )  # fmt: skip
     else:
         q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    if F16_DOT:  # float16 holds e4m3 and bfloat16's 8 bits of q exactly, within its range
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if FP8:  # K's scale joins the softmax scale; V's scales the output
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
@@ -282,7 +298,7 @@ def _split_kernel(
     for first in range(first_tile, cached_end, BLOCK_N):
         k, v, valid = _load_tile(
             k_cache_ptr, v_cache_ptr, table, first, cached_end, head_off, dims, dim_ok,
-            BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset,
+            BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset, LOW_WORDS,
         )  # fmt: skip
         m, denom, acc = _attend_tile(q, k, v, valid, m, denom, acc, scale, PRECISION)
     loop_done(PDL)
@@ -366,6 +382,7 @@ def decode_attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # k, v, slots
     norm_rope: tuple | None = None,  # positions, q / k norm weights, eps, cos, sin caches
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 caches: [1] K, V scales
+    tiles: DecodeTiles | None = None,  # default: the tuning table's for this device and cache
 ) -> torch.Tensor:
     """Attend each request's query row over its paged KV; same result as the reference
     (with ``new_kv``: the new rows stored first; with ``norm_rope``: q and the new K rows
@@ -383,6 +400,9 @@ def decode_attention(
         or any(c.stride(-1) != 1 for c in norm_rope[4:])
     ):
         raise ValueError("norm_rope needs norm weights in q's dtype and contiguous cos / sin rows")
+    if tiles is None:
+        tuned = tuning.for_device(q.device)
+        tiles = tuned.split_kv_fp8_tiles if kv_scales is not None else tuned.split_kv_tiles
     if splits is None:
         splits = num_splits(batch, num_kv_heads, sm_count(q.device, off_gpu=1))  # CPU: one split
     out = torch.empty_like(q) if out is None else out
@@ -409,11 +429,13 @@ def decode_attention(
         block_tables.stride(0), stride_block, stride_offset, stride_head,
         GROUP=group, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_N=tiles.block_n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NEW_KV=new_kv is not None, NORM_ROPE=norm_rope is not None, FP8=kv_scales is not None,
         CALIBRATE=kv_scales is not None and new_kv is not None and norm_rope is None,
         GROUP_KV=num_kv_heads, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        num_warps=4,
+        F16_DOT=tiles.fp8_f16_dot and kv_scales is not None and q.dtype != torch.float32,
+        LOW_WORDS=block_tables.dtype == torch.int64,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         PRELOAD=batch == 1 and new_kv is not None,  # the new row is not among the cached
         **launch_options(
             q.device, starts_early=batch <= PDL_MAX_BATCH, lets_next_start=False,

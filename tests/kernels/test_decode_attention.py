@@ -1,9 +1,11 @@
 import pytest
 import torch
 
+from splitserve.kernels import tuning
 from splitserve.kernels.decode_attention import decode_attention as reference
 from splitserve.kernels.triton.decode_attention import decode_attention, num_splits
 from splitserve.kernels.triton.qk_norm_rope import qk_norm_rope
+from splitserve.kernels.tuning import DecodeTiles
 from tests.kernels.utils import DEVICE, DTYPES, ON_GPU, assert_close, count_launches, randn
 
 # (seq_lens, num_heads, num_kv_heads, head_dim, block_size, splits)
@@ -184,6 +186,32 @@ def test_split_count_does_not_change_the_result():
     q, k_cache, v_cache, tables, seq_lens = paged_inputs([37, 64], 4, 2, 16, 4, torch.float32)
     outs = [decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=s) for s in (1, 4)]
     assert_close(outs[1], outs[0], torch.float32)
+
+
+def test_int64_tables_give_the_int32_result():
+    """An int64 table is read through its entries' low words: the same output, bitwise."""
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([37, 64], 4, 2, 16, 4, torch.float32)
+    narrow = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=2)
+    wide = decode_attention(q, k_cache, v_cache, tables.long(), seq_lens.long(), 0.25, splits=2)
+    assert torch.equal(wide, narrow)
+
+
+@pytest.mark.parametrize(
+    "tiles", [DecodeTiles(16, 1, 2), DecodeTiles(32, 2, 4), DecodeTiles(128, 3, 8)]
+)
+def test_each_tiling_matches_the_reference(tiles):
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([150, 20], 4, 2, 16, 4, torch.float32)
+    out = decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, splits=2, tiles=tiles)
+    assert_close(out, reference(q, k_cache, v_cache, tables, seq_lens, 0.25), torch.float32)
+
+
+def test_tiles_come_from_the_tuning_table(monkeypatch):
+    """Without ``tiles`` the kernel launches the table's: a tiling it cannot take fails."""
+    broken = tuning.GpuTuning(split_kv_tiles=DecodeTiles(48, 3, 4))  # not a power of 2
+    monkeypatch.setattr(tuning, "for_device", lambda device: broken)
+    q, k_cache, v_cache, tables, seq_lens = paged_inputs([5], 4, 2, 16, 4, torch.float32)
+    with pytest.raises(Exception, match="power of 2"):
+        decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
 
 
 def test_reads_only_the_tokens_within_each_length():

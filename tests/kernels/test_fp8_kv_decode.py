@@ -9,6 +9,7 @@ import torch
 from splitserve.kernels.decode_attention import decode_attention as reference
 from splitserve.kernels.kv_store import FP8_DTYPE, dequantize_fp8
 from splitserve.kernels.triton.decode_attention import decode_attention
+from splitserve.kernels.tuning import DecodeTiles
 from tests.kernels.test_decode_attention import new_rows, paged_inputs
 from tests.kernels.utils import DEVICE, DTYPES, ON_GPU, assert_close
 
@@ -75,6 +76,20 @@ def test_fp8_decode_stores_new_rows_quantized_and_leaves_the_scales(case, dtype)
     assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
     assert all(torch.equal(s, b) for s, b in zip(scales, before))
     assert_close(out.float(), want.float(), dtype)
+
+
+# Triton's interpreter widens FP8 to bfloat16 wrongly (garbage): that case runs on GPUs.
+@pytest.mark.parametrize("f16_dot", [pytest.param(False, marks=pytest.mark.gpu), True])
+def test_fp8_tiles_widen_to_either_16_bit_type_alike(f16_dot):
+    """FP8 tiles and a bf16 q multiplied in bfloat16 or in float16 (both hold e4m3 and
+    bf16's q exactly) agree with the reference."""
+    q, k_cache, v_cache, tables, lens, scales = fp8_inputs(CASES[2], torch.bfloat16)
+    tiles = DecodeTiles(32, 1, 2, fp8_f16_dot=f16_dot)
+    out = decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.25, 1, kv_scales=scales, tiles=tiles
+    )
+    want = reference(q.float(), k_cache, v_cache, tables, lens, 0.25, kv_scales=scales)
+    assert_close(out.float(), want, torch.bfloat16)
 
 
 def test_fp8_cache_needs_scales_and_a_plain_cache_takes_none():
