@@ -35,6 +35,7 @@ import gc
 import math
 import os
 import random
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -180,7 +181,7 @@ def run_decode(repeat: int) -> tuple[list[dict], float]:
 class HandoffSide:
     """One GPU's end: a Qwen3-8B-shaped cache of each dtype and an NCCL transport on it."""
 
-    def __init__(self, role: str, block_size: int, seed: int):
+    def __init__(self, role: str, block_size: int, seed: int, auth_key: str):
         from splitserve.workers.kv.transfer.nccl_transport import NcclKVTransport
 
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
@@ -195,7 +196,9 @@ class HandoffSide:
                 t[1:] = torch.randn(t[1:].shape, device=self.device).to(dtype)
             self.caches[kv] = cache
             owner = f"{role}-{kv}"
-            self.transports[kv] = NcclKVTransport(cache, owner=owner, rendezvous=self._rendezvous)
+            self.transports[kv] = NcclKVTransport(
+                cache, owner=owner, rendezvous=self._rendezvous, auth_key=auth_key
+            )
 
     def set_peer(self, peer) -> None:
         self.peer = peer
@@ -263,7 +266,8 @@ def run_handoff(warmup: int, repeat: int) -> list[dict]:
     ray.init(num_gpus=2, log_to_driver=False)
     # A receiver joins an NCCL pair (a call from the sender) while it waits for an arrival.
     side = ray.remote(num_gpus=1, max_concurrency=4)(HandoffSide)
-    sender, receiver = side.remote("prefill", 16, 0), side.remote("decode", 32, 1)
+    key = secrets.token_hex(16)  # the control plane's key, the same on both sides
+    sender, receiver = side.remote("prefill", 16, 0, key), side.remote("decode", 32, 1, key)
     ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
     rows = []
     for kv in DTYPES:

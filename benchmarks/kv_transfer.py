@@ -63,6 +63,7 @@ import math
 import os
 import platform
 import random
+import secrets
 import sys
 import threading
 import time
@@ -103,6 +104,7 @@ class Worker:
         tokens: int,
         cpu_tokens: int,
         env: dict[str, str],
+        auth_key: str,  # the control plane's key, the same on both sides
         seed: int,
         device: str,
     ):
@@ -120,8 +122,10 @@ class Worker:
         self.peer = None
         self.role = role
         self.transports = {
-            "nccl": NcclKVTransport(self.cache, owner=role, rendezvous=self._rendezvous),
-            "cpu": CpuKVTransport(self.cache, owner=role),
+            "nccl": NcclKVTransport(
+                self.cache, owner=role, rendezvous=self._rendezvous, auth_key=auth_key
+            ),
+            "cpu": CpuKVTransport(self.cache, owner=role, auth_key=auth_key),
         }
         self.stamps = {"nccl": Stamps(self.device), "cpu": Stamps(self.device, sync_device=True)}
         self._trace()
@@ -632,7 +636,7 @@ def main() -> None:
     env = dict(item.split("=", 1) for item in args.env)
     remote = ray.remote(num_gpus=0 if args.all_gpus_visible else 1, max_concurrency=4)(Worker)
     devices = ("cuda:0", "cuda:1") if args.all_gpus_visible else ("cuda:0", "cuda:0")
-    common = (args.tokens, args.cpu_tokens, env)
+    common = (args.tokens, args.cpu_tokens, env, secrets.token_hex(16))
     sender = remote.remote("prefill", args.send_block_size, *common, 1, devices[0])
     receiver = remote.remote("decode", args.recv_block_size, *common, 2, devices[1])
     ray.get([sender.set_peer.remote(receiver), receiver.set_peer.remote(sender)])
