@@ -83,23 +83,26 @@ def test_a_connection_without_the_key_is_refused_and_cannot_cancel(receiver):
     assert header["kind"] == "challenge" and len(header["nonce"]) == auth.NONCE_BYTES
     sock.sendall(_frame({"kind": "cancel", "request_id": "r1"}))  # no answer: a cancel
     assert _closed(sock)
-    wrong = _authenticated(receiver, key="a-guess")
+    wrong = _raw(receiver)
+    with pytest.raises(ConnectionError, match="same kv_transfer.auth_key"):
+        auth.answer(Connection(wrong), auth.key_bytes("a-guess"))
     wrong.sendall(_frame({"kind": "cancel", "request_id": "r1"}))
     assert _closed(wrong)
     assert _still_expected(receiver)  # neither reached the transfer
     assert _no_accepted_left(receiver)
 
 
-def test_a_sender_with_another_key_cannot_hand_off(receiver):
+def test_a_sender_with_another_key_cannot_hand_off_and_is_told_why(receiver):
     sender = CpuKVTransport(_cache(16), timeout_s=5.0, auth_key="other-application")
     try:
         ticket = receiver.make_ticket("r2", [3, 4], 0, 8, NUM_LAYERS)
         receiver.expect(ticket)
-        sender.start_send(ticket, [5])
-        for layer in range(NUM_LAYERS):
-            sender.send_layer("r2", layer)
-        (event,) = _wait(sender)
-        assert not event.ok and "went away" in event.error
+        deadline = time.monotonic() + 5.0
+        while (state := sender.connect(ticket)) == "connecting" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state is not None and "same kv_transfer.auth_key" in state, state
+        with pytest.raises(ConnectionError, match="same kv_transfer.auth_key"):
+            sender.start_send(ticket, [5])
         with receiver.transfers.lock:
             assert receiver.transfers.incoming["r2"].layers_received == 0
     finally:
