@@ -44,9 +44,10 @@ compiled a loop 1.38x slower at 64 requests x 8k (``docs/perf/TUNING.md``).
 An FP8 cache (``kv_scales``) is read at half the bytes: each tile of K and V is
 widened as it is loaded (to float16, q cast to it too, where the tiles say
 ``fp8_f16_dot`` and q is 16-bit: 1.3x faster than bfloat16 on an H200; both hold e4m3
-exactly), K's scale joins the softmax scale and V's multiplies the output; a new row is stored quantized with the scales and attended
-as a later step will read it. A scale still 0 (not calibrated: in practice never in
-a decode step, whose prompts set it) is set as ``store_kv_fp8`` sets it: every
+exactly), K's scale joins the softmax scale and V's multiplies the output; a new row
+is stored quantized with the scales and attended as a later step will read it. A
+scale still 0 (not calibrated: in practice never in a decode step, whose prompts set
+it) is set as ``store_kv_fp8`` sets it: every
 program that reads 0 takes the amax over all the step's stored new rows (the same
 loop, so the same ``amax / 448``) and program (0, 0, 0) writes it back; a program
 that reads it written gets that same value. Rows normed here (``norm_rope``) are
