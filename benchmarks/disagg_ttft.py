@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import time
 from pathlib import Path
@@ -46,7 +47,7 @@ def _config(args, role: str) -> EngineConfig:
             max_model_len=args.prompt_len + 64,
             async_scheduling=not args.sync,
         ),
-        kv_transfer=KVTransferConfig(transport="nccl", timeout_s=120),
+        kv_transfer=KVTransferConfig(transport="nccl", timeout_s=120, auth_key=args.auth_key),
     )
 
 
@@ -117,6 +118,7 @@ def main() -> None:
         "--sync", action="store_true", help="async scheduling off in every engine (on by default)"
     )
     args = p.parse_args()
+    args.auth_key = secrets.token_hex(16)  # both actors' KV control plane
     ray.init(log_to_driver=True)
     decode = ray.remote(num_gpus=1, max_concurrency=4)(Decode).remote(args)  # join runs beside
     prefill = ray.remote(num_gpus=1)(Prefill).remote(args, decode)

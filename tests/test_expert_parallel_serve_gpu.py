@@ -78,7 +78,7 @@ def test_ep2_prefill_hands_kv_to_the_decode_rank_over_nccl(tmp_path):
             model=str(path), device=device, role=role,
             cache=CacheConfig(num_kv_blocks=128),
             scheduler=SchedulerConfig(max_model_len=256, async_scheduling=False),
-            kv_transfer=KVTransferConfig(transport="nccl", timeout_s=60.0),
+            kv_transfer=KVTransferConfig(transport="nccl", timeout_s=60.0, auth_key="ep-test"),
             parallel=ParallelConfig(expert_parallel_size=2),
         )  # fmt: skip
 

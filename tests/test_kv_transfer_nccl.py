@@ -36,6 +36,9 @@ DEFAULT_LAYERS_PER_MESSAGE = 8
 STALL_CYCLES = 4_000_000_000  # about 2 s of GPU clock
 
 
+AUTH_KEY = "nccl-test-key"  # both actors' control plane (each process draws its own else)
+
+
 class Side:
     """One worker: a KV cache on ``cuda:{device}`` and its NCCL transport."""
 
@@ -50,8 +53,9 @@ class Side:
             t[1:] = torch.randn(t[1:].shape, generator=gen, device=t.device).to(t.dtype)
         self.peer = None
         self.transport = make_kv_transport(
-            "nccl", self.cache, timeout_s=10.0, owner=f"gpu{device}", rendezvous=self._rendezvous
-        )
+            "nccl", self.cache, timeout_s=10.0, owner=f"gpu{device}",
+            rendezvous=self._rendezvous, auth_key=AUTH_KEY,
+        )  # fmt: skip
 
     def _rendezvous(self, ticket: TransferTicket, pair_key: str, unique_id: bytes) -> None:
         ray.get(self.peer.join.remote(pair_key, unique_id))
