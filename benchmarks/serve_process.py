@@ -18,7 +18,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,16 +27,12 @@ from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
+from splitserve.cluster.ports import free_port
+
 
 def default_config_path() -> Path:
     """The embedded default (``configs/serve/default.yaml``), as ``splitserve serve`` has it."""
     return Path(str(resources.files("splitserve.configs") / "serve" / "default.yaml"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def splitserve_command() -> list[str]:

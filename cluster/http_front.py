@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
+from splitserve.cluster.ports import free_port
 from splitserve.cluster.serve_config import ServeConfig
 
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
@@ -58,12 +58,6 @@ def front_environment(config: ServeConfig, run_dir: Path) -> dict[str, str]:
     }
     env = {**HAPROXY_ENV, "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(run_dir)}
     env.update({name: str(run_dir / file) for name, file in files.items()})
-    env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(_free_port())
-    env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(_free_port())
+    env["RAY_SERVE_HAPROXY_STATS_PORT"] = str(free_port())
+    env["RAY_SERVE_HAPROXY_METRICS_PORT"] = str(free_port())
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,12 +18,7 @@ from pathlib import Path
 import yaml
 
 from benchmarks.serve_process import parse_metrics
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from splitserve.cluster.ports import free_port
 
 
 class Server:
@@ -153,7 +147,7 @@ def serving(config: dict, directory: Path, startup_s: float = 180.0) -> Iterator
     ``config["served_model_name"]`` must be set. On exit the server gets
     SIGTERM and must shut down cleanly with status 0.
     """
-    port = _free_port()
+    port = free_port()
     path = directory / "serve.yaml"
     path.write_text(yaml.safe_dump({**config, "port": port}))
     name = config["served_model_name"]

@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 from splitserve.cluster import ray_up
+from splitserve.cluster.ports import free_port
 from splitserve.cluster.serve_command import default_config_path
 from splitserve.cluster.serve_config import ServeConfig
 
@@ -50,12 +51,6 @@ HELD_RESOURCES = (
     "total, free = ray.cluster_resources(), ray.available_resources(); "
     'print(json.dumps({k: [total[k], free.get(k, 0.0)] for k in ("prefill_gpu", "decode_gpu")}))\''
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _ensure_sshd_and_rsync() -> None:
@@ -180,12 +175,13 @@ def _launch_yaml(workdir: Path, serve_config: Path, key: Path) -> Path:
     launch["file_mounts"] = {}
     launch["setup_commands"] = [f"{sys.executable} -c 'import splitserve.cluster.app'"]
     ports = (
-        f"--port={_free_port()} --dashboard-port={_free_port()} "
-        f"--ray-client-server-port={_free_port()} --dashboard-agent-listen-port={_free_port()}"
+        f"--port={free_port(HOST)} --dashboard-port={free_port(HOST)} "
+        f"--ray-client-server-port={free_port(HOST)} "
+        f"--dashboard-agent-listen-port={free_port(HOST)}"
     )
     haproxy = (
-        f"export RAY_SERVE_HAPROXY_STATS_PORT={_free_port()}; "
-        f"export RAY_SERVE_HAPROXY_METRICS_PORT={_free_port()}; "
+        f"export RAY_SERVE_HAPROXY_STATS_PORT={free_port(HOST)}; "
+        f"export RAY_SERVE_HAPROXY_METRICS_PORT={free_port(HOST)}; "
     )
     head = launch["head_start_ray_commands"]
     assert f"--port={ray_up.RAY_PORT}" in head[-1] and "prefill_gpu" in head[-1]
@@ -229,7 +225,7 @@ def head_home_restored():
 def test_ray_up_serves_the_default_and_ray_down_leaves_nothing(tmp_path, head_home_restored):
     _ensure_sshd_and_rsync()
     log = Transcript(tmp_path / "transcript.txt")
-    port = _free_port()
+    port = free_port(HOST)
     serve_config = _serve_config(tmp_path, port)
     with namespaced_sshd(tmp_path) as key:
         cluster = _launch_yaml(tmp_path, serve_config, key)
