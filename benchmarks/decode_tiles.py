@@ -2,15 +2,18 @@
 caches, against the KV-bytes floor, to choose ``tuning.GpuTuning.split_kv_tiles`` and
 ``split_kv_fp8_tiles``.
 
-    python benchmarks/decode_tiles.py [--json [PATH]] [--quick]
+    python benchmarks/decode_tiles.py [--json [PATH]] [--quick] [--shapes ...]
+        [--layout scattered|sequential]
 
 Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16), random
-KV in scattered blocks (FP8: N(0, 1) quantized with scales of 1/16), one layer's call as
-a decode step makes it (the new K/V row stored too; the split count the kernel picks
-for the batch). Shapes: 64 requests at 8k tokens each (one split: the shape of the FP8
-target) and 8 requests at 8k (eight splits). Each configuration is checked against the
-default tiles' output first (relative error below 2e-2) and timed with L2 emptied;
-the floor is the KV, q and output bytes at the copy bandwidth measured in the same run.
+KV in scattered blocks (``--layout sequential``: each request's blocks in a row, as a
+fresh engine allocates them; FP8: N(0, 1) quantized with scales of 1/16), one layer's
+call as a decode step makes it (the new K/V row stored too; int64 tables, lengths and
+slots, as the engine passes them; the split count the kernel picks for the batch).
+Shapes: 64 requests at 8k tokens each (one split: the shape of the FP8 target) and 8
+requests at 8k (eight splits). Each configuration is checked against the default
+tiles' output first (relative error below 2e-2) and timed with L2 emptied; the floor
+is the KV, q and output bytes at the copy bandwidth measured in the same run.
 Tiles: tokens a tile, pipeline stages, warps, and for FP8 whether tiles and q go to
 float16 for the products (``DecodeTiles``).
 """
@@ -87,8 +90,8 @@ class Case:
             order = torch.randperm(blocks - 1, generator=g, device=device) + 1
         else:  # each request's blocks one after another, as a fresh engine allocates them
             order = torch.arange(1, blocks, device=device)
-        self.tables = order[: batch * per_seq].view(batch, per_seq).to(torch.int32)
-        self.lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
+        self.tables = order[: batch * per_seq].view(batch, per_seq).to(torch.int64)
+        self.lens = torch.full((batch,), context + 1, dtype=torch.int64, device=device)
         self.slots = self.tables[:, context // BLOCK] * BLOCK + context % BLOCK
         self.q, self.k, self.v = (
             torch.randn(batch, n, DIM, generator=g, device=device, dtype=torch.bfloat16)

@@ -3,6 +3,7 @@ import torch
 
 from splitserve.kernels import tuning
 from splitserve.kernels.decode_attention import decode_attention as reference
+from splitserve.kernels.kv_store import FP8_DTYPE
 from splitserve.kernels.triton.decode_attention import decode_attention, num_splits
 from splitserve.kernels.triton.qk_norm_rope import qk_norm_rope
 from splitserve.kernels.tuning import DecodeTiles
@@ -205,13 +206,27 @@ def test_each_tiling_matches_the_reference(tiles):
     assert_close(out, reference(q, k_cache, v_cache, tables, seq_lens, 0.25), torch.float32)
 
 
-def test_tiles_come_from_the_tuning_table(monkeypatch):
-    """Without ``tiles`` the kernel launches the table's: a tiling it cannot take fails."""
-    broken = tuning.GpuTuning(split_kv_tiles=DecodeTiles(48, 3, 4))  # not a power of 2
-    monkeypatch.setattr(tuning, "for_device", lambda device: broken)
+@pytest.mark.parametrize("broken", ["split_kv_tiles", "split_kv_fp8_tiles"])
+def test_tiles_come_from_the_tuning_table_by_cache_dtype(monkeypatch, broken):
+    """Without ``tiles`` the kernel launches the table's entry for its cache's dtype: a
+    tiling it cannot take (not a power of 2) fails that cache's call and only that one."""
+    table = tuning.GpuTuning(**{broken: DecodeTiles(48, 3, 4)})
+    monkeypatch.setattr(tuning, "for_device", lambda device: table)
     q, k_cache, v_cache, tables, seq_lens = paged_inputs([5], 4, 2, 16, 4, torch.float32)
-    with pytest.raises(Exception, match="power of 2"):
-        decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    fp8 = tuple(c.clamp(-448, 448).to(FP8_DTYPE) for c in (k_cache, v_cache))
+    scales = tuple(torch.ones(1, device=DEVICE) for _ in "kv")
+    calls = {
+        "split_kv_tiles": lambda: decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25),
+        "split_kv_fp8_tiles": lambda: decode_attention(
+            q, *fp8, tables, seq_lens, 0.25, kv_scales=scales
+        ),
+    }
+    for entry, call in calls.items():
+        if entry == broken:
+            with pytest.raises(Exception, match="power of 2"):
+                call()
+        else:
+            call()
 
 
 def test_reads_only_the_tokens_within_each_length():

@@ -92,6 +92,18 @@ def test_fp8_tiles_widen_to_either_16_bit_type_alike(f16_dot):
     assert_close(out.float(), want, torch.bfloat16)
 
 
+def test_float16_products_clamp_a_q_beyond_float16s_range():
+    """A bf16 q past float16's range is clamped to it for the float16 products: the output
+    stays finite (an overflow to inf would give NaN)."""
+    q, k_cache, v_cache, tables, lens, scales = fp8_inputs(CASES[0], torch.bfloat16)
+    q[0, 0, 0] = 1e6
+    tiles = DecodeTiles(32, 1, 2, fp8_f16_dot=True)
+    out = decode_attention(
+        q, k_cache, v_cache, tables, lens, 0.25, 1, kv_scales=scales, tiles=tiles
+    )
+    assert torch.isfinite(out.float()).all()
+
+
 def test_fp8_cache_needs_scales_and_a_plain_cache_takes_none():
     q, k_cache, v_cache, tables, lens, scales = fp8_inputs(CASES[0], torch.float32)
     with pytest.raises(ValueError, match="needs kv_scales"):
