@@ -221,6 +221,17 @@ def test_a_killed_engine_ends_every_stream_with_an_error():
         client.shutdown()
 
 
+def test_an_exited_engine_says_why_before_its_reader_sees_the_pipe_close():
+    """From the moment the process has exited the client is not alive and names the exit,
+    whether or not its reader thread has run yet (a health check once read ``None``)."""
+    client = object.__new__(EngineClient)  # the process alone: no reader thread
+    client._error = None
+    client.process = subprocess.Popen([sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"])
+    client.process.wait()
+    assert not client.alive
+    assert client.error == "the engine process exited with code -9"
+
+
 def test_the_engine_process_does_not_outlive_its_replica(tmp_path):
     """A replica killed without shutting down: its engine process exits on its own."""
     script = textwrap.dedent(

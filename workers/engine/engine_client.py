@@ -91,14 +91,22 @@ class EngineClient:
         self.stats.pid = os.getpid()
         self.stats_at = self.progress_at = time.monotonic()  # as EngineConnection's
         self.address = self.stats.address
-        self.error: str | None = None  # why the process is gone
+        self._error: str | None = None  # why the process is gone, as the reader learnt it
         self._closing = False
         self._reader = threading.Thread(target=self._read, name="engine-control", daemon=True)
         self._reader.start()
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self.process.poll() is None
+        return self.error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the process is gone; None while it runs. Set from the moment it has exited,
+        not only once the reader thread has seen its pipe close."""
+        if self._error is None and (code := self.process.poll()) is not None:
+            return f"the engine process exited with code {code}"
+        return self._error
 
     @property
     def pid(self) -> int:
@@ -175,10 +183,10 @@ class EngineClient:
                 elif isinstance(message, Rendezvous):
                     threading.Thread(target=self._answer_rendezvous, args=(message,)).start()
                 elif isinstance(message, EngineDied):
-                    self.error = f"the engine loop died:\n{message.error}"
+                    self._error = f"the engine loop died:\n{message.error}"
         except (EOFError, OSError):
             code = self.process.wait()
-            self.error = self.error or f"the engine process exited with code {code}"
+            self._error = self._error or f"the engine process exited with code {code}"
         if not self._closing:
             logger.error("engine process %d is gone: %s", self.process.pid, self.error)
 
