@@ -175,7 +175,9 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
         target = contextlib.nullcontext(url)
     else:
         host = values.get("host", "127.0.0.1")
-        target = sp.served(config, host, args.model, args.port, args.startup_timeout)
+        target = sp.served(
+            config, host, args.model, args.port, args.startup_timeout, args.server_log
+        )
     with target as base:
         out["served_models"] = sp.get_json(f"{base}/v1/models")["data"]
         run(base, warmup, "rate", float("inf"), args, "warmup")
@@ -299,6 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-token-ids", action="store_true", help="don't ask for return_token_ids")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a read may wait")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--server-log", type=Path, help="append the started servers' output here")
     p.add_argument("--json", type=Path, help="write every point and request here")
     p.add_argument("--plot", type=Path, help="PNG of latency and goodput against load")
     args = p.parse_args(argv)

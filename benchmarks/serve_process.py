@@ -3,8 +3,11 @@
 ``served(config, ...)`` starts ``splitserve serve --config`` on a free port (or the
 one given), waits until ``/health`` answers 200, yields the base URL, and on exit
 sends SIGINT (the server's Ctrl-C: it deletes the app and stops Ray) and waits;
-SIGTERM, then SIGKILL, only if it does not stop. The server's output goes to a
-temporary file whose tail is shown when it fails.
+SIGTERM, then SIGKILL, only if it does not stop. A SIGTERM to this process (a
+``timeout`` around the benchmark) stops the server the same way before exiting: it
+runs in its own session, so nothing else would, and it would keep its GPUs. The
+server's output goes to ``log_path`` (kept) or a temporary file; its tail is shown
+when it fails.
 
 Also what a report says about the machine: ``CpuProbe`` (how busy the CPU was,
 and how much of it other users took), ``git_commit`` and ``host_info``.
@@ -21,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -49,7 +53,12 @@ def get_json(url: str, timeout: float = 10.0):
 
 @contextlib.contextmanager
 def served(
-    config: Path, host: str, model: str | None, port: int | None, startup_s: float
+    config: Path,
+    host: str,
+    model: str | None,
+    port: int | None,
+    startup_s: float,
+    log_path: Path | None = None,
 ) -> Iterator[str]:
     """``splitserve serve --config`` in a subprocess until the block ends; its base URL."""
     port = port or free_port()
@@ -57,7 +66,8 @@ def served(
     cmd += ["--model", model] if model else []
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    with tempfile.TemporaryFile("w+") as log:
+    log_file = open(log_path, "a+") if log_path else tempfile.TemporaryFile("w+")  # noqa: SIM115
+    with log_file as log, _sigterm_exits():
         print(f"starting: {' '.join(cmd)}", flush=True)
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -67,6 +77,24 @@ def served(
             yield url
         finally:
             _stop(proc, log)
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit (so ``finally`` blocks run) while the block runs; only
+    the main thread may set handlers, elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, startup_s: float, log) -> None:

@@ -131,7 +131,7 @@ def _watch_group_steps(llm: LLM) -> tuple[list, list]:
     """Record rank 0's phase at every step it had work, and (rank 0's header, the group's
     step) at every step of the group."""
     runner, phases, steps = llm.engine.runner, [], []
-    group_step, exchange = runner._group_step, runner.lockstep.exchange
+    group_step, exchange = runner.group_step, runner.lockstep.exchange
 
     def phase_of(steps_, replay):
         q, c = [len(s.new_token_ids) for s in steps_], [s.num_computed for s in steps_]
@@ -142,7 +142,7 @@ def _watch_group_steps(llm: LLM) -> tuple[list, list]:
         steps.append((header, exchange(header, sizes)))
         return steps[-1][1]
 
-    runner._group_step, runner.lockstep.exchange = phase_of, recorded
+    runner.group_step, runner.lockstep.exchange = phase_of, recorded
     return phases, steps
 
 

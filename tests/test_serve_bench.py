@@ -9,6 +9,12 @@ the engine alone on the same prompts and the low-load TTFT, and reads the JSON.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -73,8 +79,9 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
         + ["--output-len", str(max_tokens), "--num-prompts", str(num), "--warmup", "2"]
         + ["--max-concurrency", "2", "--request-rate", "50", "--engine-baseline"]
         + ["--low-load-ttft", "2", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"]
-        + ["--json", str(out)]
+        + ["--json", str(out), "--server-log", str(tmp_path / "server.log")]
     )
+    assert "splitserve: serving" in (tmp_path / "server.log").read_text()
     report = json.loads(out.read_text())
     assert "random token ids" in report["workload"]
     assert report["environment"]["commit"]
@@ -122,3 +129,49 @@ def test_the_json_report_keeps_each_request_on_one_line(tmp_path):
     assert sum('"itl_s":[0.076543]' in line for line in lines) == 1
     loaded = json.loads(path.read_text())
     assert loaded["value"] is None and loaded["runs"][0]["requests"][0]["ttft_s"] == 0.123457
+
+
+@pytest.mark.slow
+def test_a_terminated_benchmark_stops_the_server_it_started(tmp_path):
+    """``timeout`` around a benchmark sends SIGTERM: the server it started (in its own
+    session, holding the GPUs) is stopped before the benchmark exits, not orphaned."""
+    log = tmp_path / "server.log"
+    script = (
+        "import sys, time\n"
+        "from benchmarks import serve_process as sp\n"
+        f"with sp.served(sp.default_config_path(), '127.0.0.1', None, None, 300, {str(log)!r}):\n"
+        "    print('up', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    bench = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert bench.stdout.readline().startswith("starting: ")
+        assert bench.stdout.readline().strip() == "up"  # healthy
+        server_pid = _server_pid(bench.pid)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=180) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while _alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(server_pid), "the server outlived the benchmark"
+        assert "splitserve: shutting down" in log.read_text()
+    finally:
+        bench.kill()
+
+
+def _server_pid(parent: int) -> int:
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    (pid,) = [int(c) for c in children]
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text().split()
+    return stat[2] != "Z"  # a zombie has exited

@@ -1,5 +1,5 @@
-"""Compile, at engine start, the kernels a step runs outside its CUDA graph, at every
-row count a step can have.
+"""Compile, at engine start, the kernels a step runs outside its CUDA graph: the LM
+head and the sampler at every row count a step can have, and the prefill path.
 
 A decode graph pads its batch to a captured size, but the LM head and the sampler
 run after it on the step's real rows, and Triton compiles a kernel variant for
@@ -10,6 +10,15 @@ every request on the worker (a decode worker filling up under a burst met one
 every few steps). ``warm_sampling_kernels`` runs the LM head and both sampling
 paths (greedy, and temperature with top-k and top-p) once at each row count up to
 ``max_rows``, so serving meets none.
+
+A worker that captures no piecewise graphs (a decode worker, which still computes
+short prompts itself, and every expert-parallel worker, whose prefill runs eager)
+would meet its prefill kernels first inside a request: FlashInfer builds its prefill
+module on first use, which takes a minute or more on a fresh machine, long enough
+for the replica's watchdog to take the engine for hung and kill it (an EP2 decode
+worker on 4 H200s did exactly that on its first short prompt).
+``warm_prefill_kernels`` runs the prefill forward once at a few prompt lengths and
+once over a computed prefix, as the group's step on every rank of an expert group.
 """
 
 from __future__ import annotations
@@ -19,10 +28,14 @@ from tqdm import tqdm
 
 from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.request import Request
+from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch
 
 GREEDY = SamplingParams(temperature=0.0)
 # Seeded: its draws come from the requests' own generators, not the engine's shared one.
 RANDOM = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=0)
+# Prompt lengths the prefill warm-up runs (and the step's token budget): the row-count
+# classes of the linears and the fused MoE a prompt meets, short to a full chunk.
+PREFILL_WARMUP_TOKENS = (16, 256)
 
 
 @torch.inference_mode()
@@ -41,3 +54,29 @@ def warm_sampling_kernels(model, sampler, device: torch.device, max_rows: int) -
             for request in requests:
                 sampler.release(request.request_id)
     torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def warm_prefill_kernels(runner, max_tokens: int) -> list[int]:
+    """Eager prefill forwards of fresh prompts (``PREFILL_WARMUP_TOKENS`` and
+    ``max_tokens``, as far as the cache holds them) and of a chunk over a computed
+    prefix; the lengths run, in order (the chunk's last).
+
+    Run at engine start, before any request holds a block: the KV goes to blocks
+    1, 2, ... of the cache (any request writes a block before it reads it), and no
+    block is allocated, hashed or left changed in the block manager.
+    """
+    cache = runner.kv_cache
+    block_size = cache.block_size
+    most = min(max_tokens, (cache.num_blocks - 1) * block_size)
+    lengths = sorted({n for n in (*PREFILL_WARMUP_TOKENS, max_tokens) if n <= most})
+    prefix = min(PREFILL_WARMUP_TOKENS[0], most // 2)
+    shapes = [(0, n) for n in lengths] + ([(prefix, prefix)] if prefix else [])
+    for computed, new in shapes:
+        blocks = list(range(1, 1 + -(-(computed + new) // block_size)))
+        step = StepRequest([0] * new, computed, blocks, sample=True)
+        fb = build_forward_batch([step], cache, runner.attn_backend, runner.device, plan=False)
+        runner.forward(fb, use_graphs=False, group=runner.group_step([step], False))
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return [new for _, new in shapes]

@@ -216,7 +216,7 @@ class ModelRunner:
             return self._launch_speculative(batch, steps, on_layer_stored)
         graphs = self.decode_graphs
         replay = graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps)
-        group = self._group_step(steps, replay)
+        group = self.group_step(steps, replay)
         if replay and (group is None or group.graph_size is not None):
             self.capture_graphs()
             sources = _pending_sources(steps, batch.requests, previous)
@@ -253,7 +253,7 @@ class ModelRunner:
         rows = decode_rows(steps)
         graphs = self.decode_graphs if on_layer_stored is None else None
         replay = rows is not None and graphs is not None and graphs.can_run_steps(rows)
-        group = self._group_step(steps, replay, num_draft_rows(batch.requests, steps))
+        group = self.group_step(steps, replay, num_draft_rows(batch.requests, steps))
         target: ForwardBatch | list[StepRequest]
         if replay and (group is None or group.graph_size is not None):
             self.capture_graphs()
@@ -324,7 +324,7 @@ class ModelRunner:
 
     # -- expert parallelism ----------------------------------------------------
 
-    def _group_step(
+    def group_step(
         self, steps: list[StepRequest], replay: bool, draft_rows: int = 0
     ) -> GroupStep | None:
         """The group's agreement on this step (None: no expert parallelism)."""
