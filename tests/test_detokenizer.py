@@ -1,9 +1,15 @@
 import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from splitserve.workers.model.tokenizer import tiny_tokenizer
-from splitserve.workers.output.detokenizer import MAX_PENDING, IncrementalDetokenizer
+from splitserve.workers.output.detokenizer import (
+    MAX_PENDING,
+    IncrementalDetokenizer,
+    window_decoder,
+)
 from splitserve.workers.output.stop_checker import find_stop_string, stop_holdback
 
 TEXT = "你好 🙂 naïve"
@@ -116,3 +122,20 @@ def test_window_stays_short_on_garbage(tok):
         detok.add_token(t)
         assert len(detok._ids) <= 2 * MAX_PENDING
     assert detok.text + detok.flush() == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_window_decoder_decodes_as_the_tokenizer(tok):
+    """The Rust backend's decode stands in for ``tokenizer.decode`` only where the two
+    agree: a tokenizer that cleans up tokenization spaces keeps its own decode."""
+    rng = random.Random(2)
+    for skip in (True, False):
+        fast = window_decoder(tok, skip)
+        for _ in range(200):
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))]
+            assert fast(ids) == tok.decode(ids, skip_special_tokens=skip), ids
+    backend = Tokenizer(models.WordLevel({"hello": 0, ".": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(cleanup=False)
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=True)
+    assert backend.decode([0, 1]) == "hello ."
+    assert window_decoder(cleaning, True)([0, 1]) == cleaning.decode([0, 1]) == "hello."
