@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve import LLM
-from splitserve.workers.runner.kernel_warmup import PREFILL_WARMUP_TOKENS, warm_prefill_kernels
+from splitserve.workers.runner.kernel_warmup import PREFILL_WARMUP_TOKENS, warm_eager_forwards
 from tests import checkpoints
 from tests.test_engine import GREEDY, _hf_greedy, _prompts
 
@@ -24,30 +24,31 @@ def qwen3(tmp_path_factory):
     return path, prompts, _hf_greedy(path, prompts)
 
 
-def _forwards(runner) -> list[tuple[int, int]]:
-    """Record each forward's (tokens, first position) on ``runner``."""
-    seen: list[tuple[int, int]] = []
+def _forwards(runner) -> list[tuple[int, int, int]]:
+    """Record each forward's (requests, tokens, first position) on ``runner``."""
+    seen: list[tuple[int, int, int]] = []
     forward = runner.forward
 
     def recorded(fb, use_graphs=True, group=None):
-        seen.append((fb.input_ids.numel(), int(fb.positions[0])))
+        seen.append((len(fb.query_lens), fb.input_ids.numel(), int(fb.positions[0])))
         return forward(fb, use_graphs, group)
 
     runner.forward = recorded
     return seen
 
 
-def test_warm_up_runs_fresh_prompts_and_a_chunk_over_a_prefix_then_serves_exact_tokens(qwen3):
+def test_warm_up_runs_prompts_a_chunk_and_a_wide_decode_then_serves_exact_tokens(qwen3):
     path, prompts, expected = qwen3
     llm = LLM(str(path), max_model_len=256, num_kv_blocks=64)
     engine = llm.engine
     free = engine.block_manager.num_free_blocks
     seen = _forwards(engine.runner)
-    lengths = warm_prefill_kernels(engine.runner, max_tokens=512)
+    shapes = warm_eager_forwards(engine.runner, max_tokens=512, max_seqs=48)
     del engine.runner.forward  # the recorder
     # 63 blocks of 16 beyond the null page hold 1008 tokens: 512 fits, so it runs.
-    assert lengths == [*PREFILL_WARMUP_TOKENS, 512, 16]
-    assert seen == [(16, 0), (256, 0), (512, 0), (16, 16)]
+    assert PREFILL_WARMUP_TOKENS == (16, 256)
+    assert shapes == [(1, 16), (1, 256), (1, 512), (1, 16), (48, 48)]
+    assert seen == [(1, 16, 0), (1, 256, 0), (1, 512, 0), (1, 16, 16), (48, 48, 16)]
     assert engine.block_manager.num_free_blocks == free
     assert engine.num_cached_prefix_tokens(prompts[0]) == 0
     # The warm-up wrote blocks 1.. which these requests now take: they write before reading.
@@ -59,5 +60,5 @@ def test_warm_up_keeps_to_what_the_cache_holds(qwen3):
     path, _, _ = qwen3
     llm = LLM(str(path), max_model_len=128, num_kv_blocks=9)  # 8 blocks of 16: 128 tokens
     seen = _forwards(llm.engine.runner)
-    assert warm_prefill_kernels(llm.engine.runner, max_tokens=4096) == [16, 16]
-    assert seen == [(16, 0), (16, 16)]
+    assert warm_eager_forwards(llm.engine.runner, 4096, max_seqs=4) == [(1, 16), (1, 16), (4, 4)]
+    assert [s[1:] for s in seen] == [(16, 0), (16, 16), (4, 16)]

@@ -60,7 +60,7 @@ from splitserve.workers.parallel.expert_load import ExpertLoad
 from splitserve.workers.parallel.front import GroupFront, start_group
 from splitserve.workers.parallel.group import GroupMember
 from splitserve.workers.parallel.lockstep import Lockstep
-from splitserve.workers.runner.kernel_warmup import warm_prefill_kernels, warm_sampling_kernels
+from splitserve.workers.runner.kernel_warmup import warm_eager_forwards, warm_sampling_kernels
 from splitserve.workers.runner.model_runner import GraphLimits, LaunchedStep, ModelRunner
 from splitserve.workers.sampling.sampler import Sampler, TokenLogprobs
 from splitserve.workers.spec_decode.mtp_proposer import MTPProposer
@@ -209,7 +209,8 @@ class LLMEngine:
         max_rows = config.scheduler.max_num_seqs * (1 + num_spec)  # sampled rows a step
         warm_sampling_kernels(model, self.sampler, self.device, max_rows)
         if self.device.type == "cuda":  # every role computes prompts (a decode worker short ones)
-            warm_prefill_kernels(self.runner, config.scheduler.max_num_batched_tokens)
+            sched = config.scheduler
+            warm_eager_forwards(self.runner, sched.max_num_batched_tokens, sched.max_num_seqs)
         if self.ep_front is not None:
             self.ep_front.wait_ready()
         logger.info(

@@ -17,8 +17,10 @@ would meet its prefill kernels first inside a request: FlashInfer builds its pre
 module on first use, which takes a minute or more on a fresh machine, long enough
 for the replica's watchdog to take the engine for hung and kill it (an EP2 decode
 worker on 4 H200s did exactly that on its first short prompt).
-``warm_prefill_kernels`` runs the prefill forward once at a few prompt lengths and
-once over a computed prefix, as the group's step on every rank of an expert group.
+``warm_eager_forwards`` runs the prefill forward once at a few prompt lengths and
+once over a computed prefix, and an eager decode step as wide as the scheduler
+allows (without graphs, FlashInfer's decode module takes those), as the group's
+step on every rank of an expert group.
 """
 
 from __future__ import annotations
@@ -57,26 +59,33 @@ def warm_sampling_kernels(model, sampler, device: torch.device, max_rows: int) -
 
 
 @torch.inference_mode()
-def warm_prefill_kernels(runner, max_tokens: int) -> list[int]:
-    """Eager prefill forwards of fresh prompts (``PREFILL_WARMUP_TOKENS`` and
-    ``max_tokens``, as far as the cache holds them) and of a chunk over a computed
-    prefix; the lengths run, in order (the chunk's last).
+def warm_eager_forwards(runner, max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
+    """Eager forwards of one fresh prompt at each of ``PREFILL_WARMUP_TOKENS`` and
+    ``max_tokens`` tokens (as far as the cache holds them), of a chunk over a computed
+    prefix, and of a decode step of ``max_seqs`` requests (wider than the split-KV
+    kernel takes, FlashInfer's decode module); each as (requests, tokens), in order.
 
     Run at engine start, before any request holds a block: the KV goes to blocks
     1, 2, ... of the cache (any request writes a block before it reads it), and no
     block is allocated, hashed or left changed in the block manager.
     """
-    cache = runner.kv_cache
-    block_size = cache.block_size
-    most = min(max_tokens, (cache.num_blocks - 1) * block_size)
+    block_size = runner.kv_cache.block_size
+    most = min(max_tokens, (runner.kv_cache.num_blocks - 1) * block_size)
     lengths = sorted({n for n in (*PREFILL_WARMUP_TOKENS, max_tokens) if n <= most})
     prefix = min(PREFILL_WARMUP_TOKENS[0], most // 2)
-    shapes = [(0, n) for n in lengths] + ([(prefix, prefix)] if prefix else [])
-    for computed, new in shapes:
-        blocks = list(range(1, 1 + -(-(computed + new) // block_size)))
-        step = StepRequest([0] * new, computed, blocks, sample=True)
-        fb = build_forward_batch([step], cache, runner.attn_backend, runner.device, plan=False)
-        runner.forward(fb, use_graphs=False, group=runner.group_step([step], False))
+    steps = [[_step(new, 0, block_size)] for new in lengths]
+    if prefix:
+        steps.append([_step(prefix, prefix, block_size)])
+        steps.append([_step(1, prefix, block_size)] * max_seqs)  # one shared table
+    for step in steps:
+        fb = build_forward_batch(step, runner.kv_cache, runner.attn_backend, runner.device, False)
+        runner.forward(fb, use_graphs=False, group=runner.group_step(step, False))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    return [new for _, new in shapes]
+    return [(len(step), sum(len(r.new_token_ids) for r in step)) for step in steps]
+
+
+def _step(new: int, computed: int, block_size: int) -> StepRequest:
+    """``new`` tokens after ``computed`` ones, in blocks 1, 2, ..."""
+    blocks = list(range(1, 1 + -(-(computed + new) // block_size)))
+    return StepRequest([0] * new, computed, blocks, sample=True)
