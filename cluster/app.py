@@ -45,6 +45,7 @@ def build_app(config: ServeConfig) -> serve.Application:
                 pool.max_ongoing_requests,
                 pool.watchdog_timeout_s,
                 config.drain_timeout_s,
+                pool.step_timeout_s,
             )
     return ingress_deployment(config).bind(
         config.to_dict(), secret, pools.get("prefill"), pools.get("decode"), pools.get("mixed")

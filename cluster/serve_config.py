@@ -51,9 +51,13 @@ class PoolConfig:
     # and ends its open streams (those without a token yet are retried elsewhere); it
     # comes back once its reports resume. After watchdog_timeout_s without progress the
     # replica's health check fails, so Ray Serve replaces it. A single engine step must
-    # stay well below stall_timeout_s.
+    # stay well below stall_timeout_s. While the engine process's heartbeats say its
+    # loop is inside one step (a kernel build, a very long prompt), the health check
+    # fails only once that step has run step_timeout_s (SGLang's watchdog: 300 s): a
+    # replacement would meet the same step and be killed in turn.
     stall_timeout_s: float = 2.0
     watchdog_timeout_s: float = 10.0
+    step_timeout_s: float = 300.0
 
     @property
     def autoscaling(self) -> bool:
@@ -87,6 +91,8 @@ class PoolConfig:
             raise bad("stall_timeout_s", "> 0")
         if not self.watchdog_timeout_s >= self.stall_timeout_s:
             raise bad("watchdog_timeout_s", f">= stall_timeout_s={self.stall_timeout_s}")
+        if not self.step_timeout_s >= self.watchdog_timeout_s:
+            raise bad("step_timeout_s", f">= watchdog_timeout_s={self.watchdog_timeout_s}")
 
     def _check_resources(self, name: str) -> None:
         resources = self.resources

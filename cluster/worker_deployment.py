@@ -13,7 +13,8 @@ from it directly. The replica keeps the engine's control side:
   policy, which reads it there);
 - ``check_health``: unhealthy once the engine process is gone, or when it made no
   progress for ``watchdog_timeout_s`` (no stats, or no step while holding requests:
-  a hung process), so Ray Serve replaces the replica.
+  a hung process), so Ray Serve replaces the replica; a loop that its process's
+  heartbeats show inside one long step gets ``step_timeout_s``.
 - leaving (scale-down, shutdown; Ray Serve calls ``__del__``): the engine drains
   (fronts stop choosing it, it finishes what it holds) for up to
   ``drain_timeout_s``, then stops; requests still open end with "shutting down".
@@ -47,15 +48,18 @@ class EngineWorker:
         max_requests: int,
         watchdog_timeout_s: float = 10.0,
         drain_timeout_s: float = 30.0,
+        step_timeout_s: float = 300.0,
     ):
         """``secret``: what an ingress's connection must present; ``max_requests``: open
         requests beyond this are answered ``Overloaded`` (the pool's max_ongoing_requests);
-        ``watchdog_timeout_s``: the engine's progress watchdog; ``drain_timeout_s``: how
-        long a leaving replica lets its engine finish what it holds."""
+        ``watchdog_timeout_s``: the engine's progress watchdog (``step_timeout_s`` for
+        one step its heartbeats show running); ``drain_timeout_s``: how long a leaving
+        replica lets its engine finish what it holds."""
         from splitserve.cluster.stats_board import get_or_create_board
 
         self.pool = pool
         self._watchdog_timeout_s = watchdog_timeout_s
+        self._step_timeout_s = step_timeout_s
         self._drain_timeout_s = drain_timeout_s
         self.worker_id = serve.get_replica_context().replica_id.unique_id
         config = EngineConfig.from_dict({**engine_config, "role": pool})
@@ -87,7 +91,7 @@ class EngineWorker:
     def check_health(self) -> None:
         if not self.engine.alive:
             raise RuntimeError(f"the engine stopped: {self.engine.error}")
-        stalled = self.engine.stalled(self._watchdog_timeout_s)
+        stalled = self.engine.stalled(self._watchdog_timeout_s, self._step_timeout_s)
         if stalled is not None:
             raise RuntimeError(f"the engine process {self.engine.pid} {stalled}")
 
@@ -119,7 +123,7 @@ class EngineWorker:
         await asyncio.to_thread(engine.shutdown)
 
     def _hung(self) -> bool:
-        return self.engine.stalled(self._watchdog_timeout_s) is not None
+        return self.engine.stalled(self._watchdog_timeout_s, self._step_timeout_s) is not None
 
 
 def _nccl_rendezvous(app_name: str):

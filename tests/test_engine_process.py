@@ -317,3 +317,39 @@ def test_the_ingress_merges_a_lists_deltas_and_raises_on_rejection_or_failure():
     error = Delta("r", [], "", None, "error", None, 0, "KV transfer timed out")
     with pytest.raises(WorkerFailed, match="the decode worker d1 failed: KV transfer timed out"):
         asyncio.run(take(items([error])))
+
+
+def test_a_long_step_is_not_hung_until_the_step_timeout(monkeypatch):
+    """An engine loop held inside one step (here the fault injection's 3 s after a prompt
+    chunk; on GPUs a kernel build at first use) sends no stats, but its process's
+    heartbeats say it is in a step: the watchdog waits for ``step_timeout_s``, and
+    without one (or past it) reports it. A stopped process does not beat at all."""
+    monkeypatch.setenv("SPLITSERVE_PREFILL_STEP_DELAY_S", "3")
+    config = {**CONFIG, "scheduler": {**CONFIG["scheduler"], "max_num_batched_tokens": 16}}
+    client = EngineClient(EngineConfig.from_dict(config))
+
+    async def run():
+        front = await _front(client, secret="")
+        stream = front.generate(GenerateCall("long", list(range(1, 33)), GREEDY))
+        task = asyncio.ensure_future(stream.__anext__())
+        while client.in_step_s == 0.0:  # a heartbeat from inside the first chunk's step
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.2)  # the step has run at least 1.2 s of its 3
+        seen = (client.stalled(1.0, 60.0), client.stalled(1.0), client.stalled(1.0, 1.0))
+        os.kill(client.pid, signal.SIGSTOP)
+        await asyncio.sleep(2.5)
+        stopped = client.stalled(1.0, 60.0)
+        os.kill(client.pid, signal.SIGCONT)
+        task.cancel()
+        front.close()
+        return seen, stopped
+
+    try:
+        (long_step, no_step_timeout, past_it), stopped = asyncio.run(asyncio.wait_for(run(), 30))
+        assert long_step is None
+        assert no_step_timeout is not None and "no stats" in no_step_timeout
+        assert past_it is not None and "one step has run for" in past_it
+        assert stopped is not None and "one step" not in stopped
+    finally:
+        os.kill(client.pid, signal.SIGCONT)
+        client.shutdown()

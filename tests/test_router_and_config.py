@@ -91,6 +91,10 @@ def test_shipped_configs_load():
             {"pools": {"mixed": {"replicas": 1, "watchdog_timeout_s": 1.0}}},
             "pools.mixed.watchdog_timeout_s=1.0: must be >= stall_timeout_s=2.0",
         ),
+        (
+            {"pools": {"decode": {"step_timeout_s": 5.0}}},
+            "pools.decode.step_timeout_s=5.0: must be >= watchdog_timeout_s=10.0",
+        ),
         ({"drain_timeout_s": -1}, "invalid drain_timeout_s=-1"),
     ],
 )

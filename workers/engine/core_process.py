@@ -68,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # nothing runnable: wait this long for a command or a transfer event
 STATS_PERIOD_S = 0.05  # how often the loop sends ``WorkerStats``
+HEARTBEAT_PERIOD_S = 0.5  # how often a thread of its own says the process runs
 RENDEZVOUS_TIMEOUT_S = 60.0
 
 
@@ -129,6 +130,17 @@ class JoinPair:
 
 @messages.register
 @dataclass(frozen=True)
+class Heartbeat:
+    """From a thread of the engine process's own, whatever its loop does: the process
+    runs, and how long the loop has been inside its current step (0: between steps).
+    A loop stuck in one step (a kernel build, a long prompt, a wedged device) still
+    beats; a stopped or frozen process does not."""
+
+    in_step_s: float
+
+
+@messages.register
+@dataclass(frozen=True)
 class Drain:
     pass
 
@@ -165,21 +177,25 @@ class EngineCore:
             self.engine.ep_front.notify = self._wakeup.set
         self.listener = FrontListener(start.front_host, start.secret, self._on_front_message)
         self.num_steps = 0
+        self._step_started: float | None = None  # when the loop entered its current step
         # Fault injection (tests): hold a long prompt mid-prefill, see splitserve/config.py.
         self._prefill_step_delay_s = float(env("SPLITSERVE_PREFILL_STEP_DELAY_S"))
 
     def run(self) -> None:
         threading.Thread(target=self._read_replica, name="engine-control", daemon=True).start()
+        threading.Thread(target=self._beat, name="engine-heartbeat", daemon=True).start()
         stats_time = 0.0
         while not self._stopped:
             self._drain_commands()
             engine = self.engine
             if engine.has_unfinished_requests():  # a step also polls the transfers
+                self._step_started = time.monotonic()
                 events = [_event_of(output) for output in engine.step()]
                 self.num_steps += 1
                 self._send_events(events)
                 if self._prefill_step_delay_s and _mid_prefill(engine):
-                    time.sleep(self._prefill_step_delay_s)
+                    time.sleep(self._prefill_step_delay_s)  # a long step, as the replica sees it
+                self._step_started = None
             if not engine.has_runnable_requests():
                 self._wakeup.wait(IDLE_WAIT_S)  # a command or a transfer event wakes it
                 self._wakeup.clear()
@@ -214,6 +230,14 @@ class EngineCore:
                 by_front.setdefault(front, []).append(event)
         for front, front_events in by_front.items():
             front.send(StepEvents(front_events))
+
+    def _beat(self) -> None:
+        while not self._stopped:
+            started = self._step_started
+            in_step = time.monotonic() - started if started is not None else 0.0
+            with contextlib.suppress(OSError):
+                self.replica.send(Heartbeat(in_step))
+            time.sleep(HEARTBEAT_PERIOD_S)
 
     def _send_stats(self) -> None:
         frame = messages.encode(self.stats())

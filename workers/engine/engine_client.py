@@ -33,6 +33,7 @@ from splitserve.workers.engine import messages
 from splitserve.workers.engine.core_process import (
     Drain,
     EngineDied,
+    Heartbeat,
     JoinPair,
     Ready,
     Rendezvous,
@@ -90,6 +91,7 @@ class EngineClient:
         self.stats: WorkerStats = self._wait_ready()
         self.stats.pid = os.getpid()
         self.stats_at = self.progress_at = time.monotonic()  # as EngineConnection's
+        self.beat_at, self.in_step_s = self.stats_at, 0.0  # the last Heartbeat
         self.address = self.stats.address
         self._error: str | None = None  # why the process is gone, as the reader learnt it
         self._closing = False
@@ -121,15 +123,25 @@ class EngineClient:
     def holds_requests(self) -> bool:
         return holds_requests(self.stats)
 
-    def stalled(self, timeout_s: float) -> str | None:
+    def stalled(self, timeout_s: float, step_timeout_s: float | None = None) -> str | None:
         """Why the engine looks hung (None: it does not): no stats for ``timeout_s``, or
-        no step in ``timeout_s`` while it holds requests."""
+        no step in ``timeout_s`` while it holds requests; but while its heartbeats say the
+        loop is inside one step, only once that step has run ``step_timeout_s`` (None:
+        ``timeout_s`` too). A frozen process (SIGSTOP) sends no heartbeat either."""
         now = time.monotonic()
         if now - self.stats_at > timeout_s:
-            return f"sent no stats for {now - self.stats_at:.1f} s"
-        if now - self.progress_at > timeout_s:
-            return f"made no step in {now - self.progress_at:.1f} s while holding requests"
-        return None
+            why = f"sent no stats for {now - self.stats_at:.1f} s"
+        elif now - self.progress_at > timeout_s:
+            why = f"made no step in {now - self.progress_at:.1f} s while holding requests"
+        else:
+            return None
+        beating = now - self.beat_at <= timeout_s and self.in_step_s > 0
+        if not beating or step_timeout_s is None:
+            return why
+        in_step = self.in_step_s + (now - self.beat_at)
+        if in_step <= step_timeout_s:
+            return None  # a long step (a kernel build, a long prompt): not hung yet
+        return f"{why}: one step has run for {in_step:.1f} s"
 
     def drain(self) -> None:
         """Take no new requests (the stats say ``draining``); finish those held."""
@@ -180,6 +192,8 @@ class EngineClient:
                     if message.num_steps != self.stats.num_steps or not holds_requests(message):
                         self.progress_at = now
                     self.stats, self.stats_at = message, now
+                elif isinstance(message, Heartbeat):
+                    self.beat_at, self.in_step_s = time.monotonic(), message.in_step_s
                 elif isinstance(message, Rendezvous):
                     threading.Thread(target=self._answer_rendezvous, args=(message,)).start()
                 elif isinstance(message, EngineDied):
