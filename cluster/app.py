@@ -25,7 +25,18 @@ from splitserve.workers.engine.engine_client import SHUTDOWN_TIMEOUT_S
 # (direct ingress) runs on, not on a second loop in another thread: every streamed chunk
 # otherwise crosses between the two threads (a thread-safe queue and a loop wake-up
 # each). The handlers never block (parsing and tokenizing run in a thread).
-INGRESS_RUNTIME_ENV = {"env_vars": {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+# A leaving ingress replica behind HAProxy stays reachable this long before it closes its
+# listener (Ray Serve's default is 30 s, for load balancers to deregister it). Ray Serve's
+# HAProxy retries a refused connection on another replica, and ``splitserve serve`` drains
+# the ingresses itself before deleting the app, so the default window only held every
+# Ctrl-C of an idle server for 30 s.
+INGRESS_DEREGISTER_S = 2.0
+INGRESS_RUNTIME_ENV = {
+    "env_vars": {
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(INGRESS_DEREGISTER_S),
+    }
+}
 
 
 def build_app(config: ServeConfig) -> serve.Application:
