@@ -1,5 +1,5 @@
 """Compile, at engine start, the kernels a step runs outside its CUDA graph: the LM
-head and the sampler at every row count a step can have, and the prefill path.
+head and the sampler at every row count a step can have, and the eager forwards.
 
 A decode graph pads its batch to a captured size, but the LM head and the sampler
 run after it on the step's real rows, and Triton compiles a kernel variant for
@@ -35,8 +35,8 @@ from splitserve.workers.runner.input_batch import StepRequest, build_forward_bat
 GREEDY = SamplingParams(temperature=0.0)
 # Seeded: its draws come from the requests' own generators, not the engine's shared one.
 RANDOM = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=0)
-# Prompt lengths the prefill warm-up runs (and the step's token budget): the row-count
-# classes of the linears and the fused MoE a prompt meets, short to a full chunk.
+# Prompt lengths the warm-up runs besides the step's token budget: row-count classes of
+# the linears and the fused MoE that prompts meet, from short ones up.
 PREFILL_WARMUP_TOKENS = (16, 256)
 
 
@@ -62,8 +62,8 @@ def warm_sampling_kernels(model, sampler, device: torch.device, max_rows: int) -
 def warm_eager_forwards(runner, max_tokens: int, max_seqs: int) -> list[tuple[int, int]]:
     """Eager forwards of one fresh prompt at each of ``PREFILL_WARMUP_TOKENS`` and
     ``max_tokens`` tokens (as far as the cache holds them), of a chunk over a computed
-    prefix, and of a decode step of ``max_seqs`` requests (wider than the split-KV
-    kernel takes, FlashInfer's decode module); each as (requests, tokens), in order.
+    prefix, and of a decode step of ``max_seqs`` requests (past the split-KV kernel's
+    batch limit, FlashInfer's decode module); each as (requests, tokens), in order.
 
     Run at engine start, before any request holds a block: the KV goes to blocks
     1, 2, ... of the cache (any request writes a block before it reads it), and no
