@@ -27,7 +27,8 @@ engine output tokens/s for each closed-loop point (the engine's ``max_num_seqs``
 lowered to the concurrency) and for the highest-rate point (``max_num_seqs`` as
 configured). ``--low-load-ttft N`` sends N requests one at a time and reports
 the served p50 TTFT minus the engine's p50 TTFT for the same prompts: what the
-serving path adds at low load.
+serving path adds at low load; and, from the server's ``/metrics``, where the
+TTFT went per route: the engine's queue and prefill, the serving path's share.
 """
 
 from __future__ import annotations
@@ -182,11 +183,28 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
         out["served_models"] = sp.get_json(f"{base}/v1/models")["data"]
         run(base, warmup, "rate", float("inf"), args, "warmup")
         if low_load:
+            before = sp.metric_values(base)
             results, seconds = run(base, low_load, "concurrency", 1, args, "low-load")
             out["low_load_ttft"] = low_load_report(results, seconds, baseline)
+            split = serve_report.ttft_split(before, settled_metrics(base))
+            out["low_load_ttft"]["split"] = split
         out["points"] = [run_point(args, out["label"], base, p, baseline) for p in points]
         out["forwards"] = settled_forwards(base)  # graph hits
     return out
+
+
+def settled_metrics(url: str, period_s: float = 0.5, timeout_s: float = 5.0) -> dict:
+    """``/metrics`` once the request histograms stopped moving (each ingress replica posts
+    its samples to the stats board every ``stats_period_s``)."""
+    deadline = time.monotonic() + timeout_s
+    last = sp.metric_values(url)
+    while time.monotonic() < deadline:
+        time.sleep(period_s)
+        now = sp.metric_values(url)
+        if all(now.get(k) == v for k, v in last.items() if "first_token" in k):
+            return now
+        last = now
+    return last
 
 
 def settled_forwards(url: str, period_s: float = 1.0, timeout_s: float = 10.0) -> list[dict]:

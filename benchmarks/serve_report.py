@@ -71,6 +71,17 @@ def print_tables(report: dict) -> None:
         print("\nTTFT at low load, one request at a time (ms):")
         columns = ["config", "requests", "served p50", "engine p50", "added p50"]
         roofline.print_table(columns + ["served p90", "engine p90"], low)
+    split = [
+        [c["label"], route, t["requests"], c["low_load_ttft"]["served"]["ttft_ms"]["mean"]]
+        + [t.get(part) for part in TTFT_PARTS]
+        for c in report["configs"]
+        for route, t in (c.get("low_load_ttft") or {}).get("split", {}).items()
+    ]
+    if split:
+        print("\nWhere the low-load TTFT went, means (ms): the client's TTFT, the ingress's, and")
+        print("the ingress's split into the engine's queue and prefill and the serving path:")
+        columns = ["config", "route", "requests", "client TTFT", *TTFT_PARTS]
+        roofline.print_table(columns, split)
     forwards = [[c["label"], *row] for c in report["configs"] for row in forward_rows(c)]
     if forwards:
         print("\nForwards by step kind over the whole run, warm-up included (/metrics):")
@@ -102,6 +113,33 @@ def forward_rows(config: dict) -> list[list]:
         total = graph + piecewise + eager
         rows.append([pool, kind, graph, piecewise, eager, (graph + piecewise) / total])
     return rows
+
+
+TTFT_PARTS = {  # the ingress's TTFT histograms (``cluster/metrics.py``), by their part
+    "ingress TTFT": "splitserve_time_to_first_token_seconds",
+    "engine queue": "splitserve_request_queue_time_seconds",
+    "engine prefill": "splitserve_request_prefill_time_seconds",
+    "serving path": "splitserve_time_to_first_token_serving_path_seconds",
+}
+
+
+def ttft_split(before: dict[str, float], after: dict[str, float]) -> dict[str, dict]:
+    """Per route, the mean of each TTFT part (ms) over the requests between two reads of
+    ``/metrics``, and how many there were."""
+    out: dict[str, dict] = {}
+    for name, value in after.items():
+        route = re.fullmatch(r'splitserve_time_to_first_token_seconds_count\{route="(\w+)"\}', name)
+        if route is None or value == before.get(name, 0):
+            continue
+        label = f'{{route="{route[1]}"}}'
+        count = value - before.get(name, 0)
+        split = {"requests": int(count)}
+        for part, family in TTFT_PARTS.items():
+            key = f"{family}_sum{label}"
+            if key in after:
+                split[part] = 1e3 * (after[key] - before.get(key, 0.0)) / count
+        out[route[1]] = split
+    return out
 
 
 GOOD_SHARE = 0.9  # a rate is attained when this share of its requests meets the SLO

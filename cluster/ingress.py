@@ -201,6 +201,7 @@ class OpenAIIngress:
     # ---- one request --------------------------------------------------------
 
     async def _serve(self, kind: str, request: Request) -> Response:
+        received = time.monotonic()  # the TTFT counts intake too
         if self._drain_deadline is not None:
             err = overloaded(f"{SHUTTING_DOWN}; retry on another server or later")
             self.metrics.rejected.labels(str(err.status)).inc()
@@ -221,7 +222,7 @@ class OpenAIIngress:
             prompt_text=prompt_text,
             request_id=request_id,
         )
-        outputs = self._generate(request_id, prompt_ids, params)
+        outputs = self._generate(request_id, prompt_ids, params, received)
         if req.stream:
             return StreamingResponse(sse_stream(builder, outputs), media_type="text/event-stream")
         try:
@@ -244,9 +245,10 @@ class OpenAIIngress:
         return intake.request, intake.prompt_text, intake.prompt_token_ids, intake.params
 
     async def _generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, start: float
     ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request, with retry, metrics and cancellation."""
+        """Delta outputs of one request, with retry, metrics and cancellation; ``start``:
+        when the request came in (``time.monotonic()``)."""
         pools = {name: handle is not None for name, handle in self.pools.items()}
         backlog = {p: self.workers.least_queued_prompt_tokens(p) for p in ("prefill", "decode")}
         route = routing.choose_route(
@@ -258,7 +260,7 @@ class OpenAIIngress:
             prefill_backlog=backlog["prefill"],
             decode_backlog=backlog["decode"],
         )
-        start = last = time.monotonic()
+        last = time.monotonic()
         num_tokens, outcome = 0, "cancelled"
         routes, failed = [route], set()
         self._in_flight += 1
@@ -270,7 +272,7 @@ class OpenAIIngress:
                         now = time.monotonic()
                         n = len(output.new_token_ids)
                         if n and num_tokens == 0:
-                            self.metrics.ttft.labels(routes[-1]).observe(now - start)
+                            self._first_token(routes[-1], now - start, output)
                             itl = self.metrics.itl.labels(routes[-1])  # the route is known
                         elif n:
                             itl.observe((now - last) / n)
@@ -296,6 +298,16 @@ class OpenAIIngress:
         finally:
             self._in_flight -= 1
             self.metrics.requests.labels(routes[-1], outcome).inc()
+
+    def _first_token(self, route: str, ttft: float, output: RequestOutput) -> None:
+        """The TTFT, and where it went when the engine that sampled the token said."""
+        self.metrics.ttft.labels(route).observe(ttft)
+        times = output.first_token_times
+        if times is not None:
+            self.metrics.queue_time.labels(route).observe(times.queued_s)
+            self.metrics.prefill_time.labels(route).observe(times.prefill_s)
+            path = max(0.0, ttft - times.queued_s - times.prefill_s)
+            self.metrics.ttft_path.labels(route).observe(path)
 
     async def _attempt(self, routes, rid, prompt_ids, params, failed: set[str]) -> AsyncIterator:
         """One try along the first route; the decode worker may append the route it took.

@@ -2,7 +2,9 @@
 
 Request metrics are measured at the ingress, as a client sees them: time to
 first token, inter-token latency and end-to-end latency per route, requests
-per route and outcome. Every ingress replica posts its request metrics to the
+per route and outcome; the time to first token is also split into the queue
+and prefill time the engine that sampled the token reports, and the rest (the
+serving path's share). Every ingress replica posts its request metrics to the
 stats board (pool ``ingress``), and ``/metrics`` on any of them sums them all.
 Pool metrics come from the workers' latest reports on the stats board
 (speculative decoding's drafts and acceptance among them): queue
@@ -27,6 +29,8 @@ from splitserve.workers.runner.forward_counts import merge_rows
 INGRESS = "ingress"  # the stats-board pool under which ingress replicas post their samples
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# the serving path's share of a TTFT: fractions of a millisecond up
+PATH_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 # metric name -> (stats key, help) for per-pool sums
@@ -199,6 +203,32 @@ class ServingMetrics:
             "Time from request arrival to its first token, per route",
             ["route"],
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        # The TTFT split where it went: the engine that sampled the first token says how
+        # long the request queued there and how long its prefill took; the rest is the
+        # serving path (intake, routing, calls, a hand-off's reservation, frames back).
+        self.queue_time = Histogram(
+            "splitserve_request_queue_time_seconds",
+            "Time a request waited in the engine that computed its prompt, per route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prefill_time = Histogram(
+            "splitserve_request_prefill_time_seconds",
+            "Time from a request's first engine step to its first token on the engine's "
+            "host, per route",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft_path = Histogram(
+            "splitserve_time_to_first_token_serving_path_seconds",
+            "Time to first token less the engine's queue and prefill time: the serving "
+            "path's share (intake, routing, worker calls, frames), per route",
+            ["route"],
+            buckets=PATH_BUCKETS,
             registry=self.registry,
         )
         self.itl = Histogram(

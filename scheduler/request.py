@@ -65,6 +65,8 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # its prompt's first step (time.monotonic)
+    first_token_time: float | None = None  # its first token on the host
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)  # known on the host
     num_pending_tokens: int = 0  # sampled on the device, not read back yet (at most 1)

@@ -40,6 +40,7 @@ is sampled; its blocks stay until the request is finished.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -309,6 +310,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)

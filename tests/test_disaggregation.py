@@ -100,6 +100,7 @@ class Handoff:
         self.sent_kv: dict[str, list[torch.Tensor]] = {}  # prefill KV at hand-off time
         self.tickets: dict[str, TransferTicket] = {}
         self.first_ahead: dict[str, int] = {}  # the prefill's first token, before the KV
+        self.first_times: dict[str, list] = {}  # each side's first token's times
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
         self.decode.add_remote_request(rid, prompt, params)
@@ -124,6 +125,8 @@ class Handoff:
                 self.tickets[out.request_id] = ticket
                 prompt, params = self._prompts[out.request_id]
                 self.prefill.add_request(out.request_id, prompt, params, kv_ticket=out.kv_ticket)
+            if out.new_token_ids and not self.tokens[out.request_id]:
+                self.first_times.setdefault(out.request_id, []).append(out.first_token_times)
             self.tokens[out.request_id] += out.new_token_ids
             if out.finished:
                 self.finished[out.request_id] = out
@@ -131,6 +134,7 @@ class Handoff:
             if not out.finished:  # the first token, returned before the KV is sent
                 assert out.request_id not in self.first_ahead and not out.error
                 (self.first_ahead[out.request_id],) = out.new_token_ids
+                self.first_times.setdefault(out.request_id, []).append(out.first_token_times)
                 continue
             assert out.outputs[0].finish_reason == "transferred", out.error
             assert out.new_token_ids == []  # its first token went out already
@@ -169,6 +173,10 @@ def test_disaggregated_tokens_and_kv_match_a_mixed_engine(pair, checkpoint):
             expected[out.request_id] += out.new_token_ids
     assert run.tokens == expected
     assert all(out.outputs[0].finish_reason == "length" for out in run.finished.values())
+    # The decode side's first output says where the prefill worker's time went, as the
+    # prefill worker's own first output did (whichever reaches a front first).
+    for rid, (ahead, arrived) in run.first_times.items():
+        assert arrived == ahead and ahead.prefill_s > 0 and ahead.queued_s >= 0, rid
 
     for i, p in enumerate(prompts):
         rid = f"r{i}"

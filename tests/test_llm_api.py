@@ -169,6 +169,30 @@ def test_delta_outputs_carry_only_what_is_new(llm):
     assert [lp.token_id for lp in logprobs] == [lp.token_id for lp in last.outputs[0].logprobs]
 
 
+def test_the_first_token_says_how_long_it_queued_and_prefilled():
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.workers.engine.llm_engine import LLMEngine
+
+    # 8 tokens a step: "long" prefills in three steps, "short" waits two of them.
+    scheduler = SchedulerConfig(max_model_len=64, max_num_batched_tokens=8)
+    engine = LLMEngine(
+        EngineConfig(device="cpu", cache=CacheConfig(num_kv_blocks=64), scheduler=scheduler),
+        delta_outputs=True,
+    )
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine.add_request("long", list(range(1, 21)), params)
+    engine.add_request("short", [5, 6, 7, 8], params)
+    times = {"long": [], "short": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.new_token_ids:
+                times[out.request_id].append(out.first_token_times)
+    long, short = times["long"][0], times["short"][0]
+    assert all(t is None for t in times["long"][1:] + times["short"][1:])  # the first only
+    assert 0 <= long.queued_s < short.queued_s  # "short" waited for two of long's chunks
+    assert long.prefill_s > short.prefill_s > 0  # three steps against one
+
+
 def test_engine_settings_that_cannot_work_are_named():
     from splitserve.config import EngineConfig
 

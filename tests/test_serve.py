@@ -83,6 +83,19 @@ def test_greedy_completions_match_the_offline_engine(server, offline):
     assert m['splitserve_requests_total{outcome="ok",route="local_short"}'] == 2
     assert m['splitserve_kv_transfers_total{pool="prefill"}'] == 1
     assert m['splitserve_kv_transfer_bytes_total{pool="prefill"}'] > 0
+    # Each route's TTFT splits into the computing engine's queue and prefill time (the
+    # prefill worker's, when disaggregated) and the serving path's share.
+    for route in ("disaggregated", "local_prefix_hit", "local_short"):
+        label = f'{{route="{route}"}}'
+        ttft = m[f"splitserve_time_to_first_token_seconds_sum{label}"]
+        parts = [
+            m[f"splitserve_request_{part}_time_seconds_sum{label}"] for part in ("queue", "prefill")
+        ]
+        path = m[f"splitserve_time_to_first_token_serving_path_seconds_sum{label}"]
+        assert parts[1] > 0 and path > 0
+        assert sum(parts) + path == pytest.approx(ttft, rel=1e-6)
+        count = m[f"splitserve_time_to_first_token_seconds_count{label}"]
+        assert m[f"splitserve_request_prefill_time_seconds_count{label}"] == count
     server.wait_all_blocks_free()
 
 

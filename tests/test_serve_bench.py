@@ -107,6 +107,14 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     low = config["low_load_ttft"]
     assert low["requests"] == 2 and low["served"]["completed"] == 2
     assert low["engine_ttft_ms"]["p50"] > 0 and "added_p50_ms" in low
+    # where those two TTFTs went, from /metrics: the ingress's TTFT is the prefill
+    # engine's queue and prefill and the serving path; the client's holds it
+    split = low["split"]["disaggregated"]
+    assert split["requests"] == 2
+    parts = split["engine queue"] + split["engine prefill"] + split["serving path"]
+    assert split["ingress TTFT"] == pytest.approx(parts, rel=1e-6)
+    assert split["engine prefill"] > 0 and split["serving path"] > 0
+    assert low["served"]["ttft_ms"]["mean"] > split["ingress TTFT"]
     # the server's forwards by kind (all eager on CPU): every prompt, warm-up included,
     # prefilled on the prefill worker; every request decoded on the decode worker
     forwards = {(f["pool"], f["kind"], f["how"]): f["forwards"] for f in config["forwards"]}

@@ -591,6 +591,7 @@ class LLMEngine:
         if request.sampling_params.logprobs is not None and done.logprob is not None:
             logprobs = TokenLogprobs(done.first_token, done.logprob, list(done.top_logprobs))
         output = self._append(request, done.first_token, logprobs)
+        output.first_token_times = done.first_token_times  # where the prefill worker's went
         if not request.is_finished and self.config.num_speculative_tokens:
             drafts = done.draft_token_ids[: self.config.num_speculative_tokens]
             request.spec_token_ids = list(drafts)  # the prefill worker's drafts

@@ -38,7 +38,11 @@ from typing import Any
 import msgpack
 
 from splitserve.sampling_params import SamplingParams
-from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
+from splitserve.workers.output.request_output import (
+    CompletionOutput,
+    FirstTokenTimes,
+    RequestOutput,
+)
 from splitserve.workers.sampling.sampler import TokenLogprobs
 
 # ---- calls -----------------------------------------------------------------
@@ -103,6 +107,7 @@ class Delta:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    first_token_times: FirstTokenTimes | None = None  # the engine's share of the TTFT
 
     @property
     def finished(self) -> bool:
@@ -120,6 +125,7 @@ class Delta:
             out.stop_reason,
             output.num_cached_tokens,
             output.error,
+            output.first_token_times,
         )
 
     def to_output(self) -> RequestOutput:
@@ -137,6 +143,7 @@ class Delta:
             new_text=self.text,
             new_token_ids=self.token_ids,
             error=self.error,
+            first_token_times=self.first_token_times,
         )
 
 
@@ -154,6 +161,7 @@ def merge_deltas(deltas: list[Delta]) -> Delta:
         text="".join(d.text for d in deltas),
         logprobs=logprobs,
         num_cached_tokens=max(d.num_cached_tokens for d in deltas),
+        first_token_times=next((d.first_token_times for d in deltas if d.first_token_times), None),
     )
 
 
@@ -251,6 +259,7 @@ _TYPES: list[type] = [
     WorkerStats,
     SamplingParams,
     TokenLogprobs,
+    FirstTokenTimes,
 ]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 

@@ -50,6 +50,7 @@ from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput, will_samp
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.kv.transfer.base import CONNECTING, KVTransport
 from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket, token_slots
+from splitserve.workers.output.processor import first_token_times
 from splitserve.workers.sampling.sampler import TokenLogprobs
 
 
@@ -260,7 +261,8 @@ class HandoffWorker:
         lp, top = (logprobs.logprob, logprobs.top) if logprobs is not None else (None, [])
         rid = request.request_id
         scales = self.kv_cache.scales_to_wire() if self.kv_cache is not None else []
-        done = TransferDone(rid, token, lp, top, list(drafts or []), scales)
+        times = first_token_times(request)
+        done = TransferDone(rid, token, lp, top, list(drafts or []), scales, times)
         self.transport.finish_send(rid, done)
 
     def _layer_sender(self, request_ids: list[str]) -> Callable[[int], None]:

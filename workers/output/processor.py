@@ -8,11 +8,16 @@ Stop order per new token: EOS (unless ``ignore_eos``) and ``stop_token_ids``
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from splitserve.scheduler.request import Request, RequestStatus
 from splitserve.workers.output.detokenizer import IncrementalDetokenizer
-from splitserve.workers.output.request_output import CompletionOutput, RequestOutput
+from splitserve.workers.output.request_output import (
+    CompletionOutput,
+    FirstTokenTimes,
+    RequestOutput,
+)
 from splitserve.workers.output.stop_checker import find_stop_string
 from splitserve.workers.sampling.sampler import TokenLogprobs
 
@@ -85,6 +90,7 @@ class OutputProcessor:
         state: RequestState = request.output
         new_text = state.text[state.sent_text_len :]
         new_tokens = request.output_token_ids[state.sent_token_len :]
+        times = first_token_times(request) if new_tokens and not state.sent_token_len else None
         state.sent_text_len, state.sent_token_len = len(state.text), len(request.output_token_ids)
         logprobs = state.logprobs
         if self.delta and logprobs is not None:
@@ -108,4 +114,17 @@ class OutputProcessor:
             new_token_ids=new_tokens,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            first_token_times=times,
         )
+
+
+def first_token_times(request: Request) -> FirstTokenTimes | None:
+    """Queue and prefill time of a request whose first token is on the host now (None
+    for a decode worker's request, whose prompt another worker computed)."""
+    scheduled = request.first_scheduled_time
+    if scheduled is None:
+        return None
+    if request.first_token_time is None:
+        request.first_token_time = time.monotonic()
+    queued, prefill = scheduled - request.arrival_time, request.first_token_time - scheduled
+    return FirstTokenTimes(queued, prefill)

@@ -17,6 +17,17 @@ class CompletionOutput:
 
 
 @dataclass
+class FirstTokenTimes:
+    """Where a request's time to first token went inside the engine that sampled it
+    (seconds, that process's clock): waiting to be scheduled, then from its prompt's
+    first step to the token on the host (the prefill, chunks and other requests' steps
+    in between included). A caller's TTFT less both is the serving path's share."""
+
+    queued_s: float
+    prefill_s: float
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -30,3 +41,4 @@ class RequestOutput:
     kv_ticket: bytes | None = None  # decode side: where a prefill worker sends the KV
     num_draft_tokens: int = 0  # MTP drafts verified for the request so far
     num_accepted_tokens: int = 0  # of those, accepted
+    first_token_times: FirstTokenTimes | None = None  # on the output with the first token

@@ -27,6 +27,7 @@ from splitserve.workers.kv.transfer.data_path import RecvPath
 from splitserve.workers.kv.transfer.framing import Connection
 from splitserve.workers.kv.transfer.ticket import TransferDone, TransferTicket, token_slots
 from splitserve.workers.kv.transfer.transfers import Incoming, Transfers
+from splitserve.workers.output.request_output import FirstTokenTimes
 
 
 class Receiver:
@@ -100,9 +101,11 @@ class Receiver:
                 top = [tuple(t) for t in header["top_logprobs"]]
                 drafts = list(header.get("draft_token_ids", []))
                 scales = list(header.get("kv_scales", []))
+                times = header.get("first_token_times")
                 done = TransferDone(
-                    rid, header["first_token"], header["logprob"], top, drafts, scales
-                )
+                    rid, header["first_token"], header["logprob"], top, drafts, scales,
+                    FirstTokenTimes(**times) if times else None,
+                )  # fmt: skip
                 self.transfers.add_event(TransferEvent(rid, "recv", True, done=done))
         conn.send(ack)
 

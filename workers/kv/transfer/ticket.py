@@ -16,6 +16,7 @@ import msgpack
 import torch
 
 from splitserve.workers.kv.layout import KVLayout
+from splitserve.workers.output.request_output import FirstTokenTimes
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class TransferDone:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)  # MTP drafts after the first token
     kv_scales: list[float] = field(default_factory=list)  # FP8 caches: the sender's K, V scales
+    # the prefill engine's share of the TTFT, for the decode side's first output
+    first_token_times: FirstTokenTimes | None = None
 
 
 @dataclass(frozen=True)

