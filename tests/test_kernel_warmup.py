@@ -62,3 +62,34 @@ def test_warm_up_keeps_to_what_the_cache_holds(qwen3):
     seen = _forwards(llm.engine.runner)
     assert warm_eager_forwards(llm.engine.runner, 4096, max_seqs=4) == [(1, 16), (1, 16), (4, 4)]
     assert [s[1:] for s in seen] == [(16, 0), (16, 16), (4, 16)]
+
+
+def test_warm_up_runs_the_mtp_drafter_at_every_width_then_drafts_exactly(tmp_path):
+    from tests.mtp_checkpoints import write_glm4_moe_drafter
+    from tests.test_spec_decode import engine as spec_engine
+    from tests.test_spec_decode import generate, prompts
+
+    path = write_glm4_moe_drafter(tmp_path / "glm")  # the drafter always agrees
+    mtp = spec_engine(path, k=2)
+    free = mtp.block_manager.num_free_blocks
+    proposer = mtp.runner.speculator.proposer
+    drafted: list[list[int]] = []
+    propose = proposer.propose
+
+    def recorded(step, hidden, next_ids, draft_rows, graphs=None, group=None):
+        drafts = propose(step, hidden, next_ids, draft_rows, graphs, group)
+        drafted.append(list(draft_rows))
+        assert len(next_ids) == len(hidden) and all(len(d) == 2 for d in drafts)
+        return drafts
+
+    proposer.propose = recorded
+    shapes = warm_eager_forwards(mtp.runner, max_tokens=32, max_seqs=3)
+    del proposer.propose
+    # Prompts of 16 and 32 tokens, a chunk over 16, then decode steps of 1, 2, 3 requests:
+    # the drafter after each, from the last row of each request.
+    assert shapes == [(1, 16), (1, 32), (1, 16), (1, 1), (2, 2), (3, 3)]
+    assert drafted == [[15], [31], [15], [0], [0, 1], [0, 1, 2]]
+    assert mtp.block_manager.num_free_blocks == free
+    # What the warm-up's passes wrote (blocks 1.., the MTP layer's too) changes nothing.
+    assert generate(mtp, prompts()) == generate(spec_engine(path), prompts())
+    assert mtp.block_manager.num_free_blocks == free

@@ -105,7 +105,10 @@ class MTPProposer:
         if group is not None and chain_step is None:
             raise RuntimeError("a rank drafts in a group step whose drafter runs no chain")
         rows = to_device(draft_rows, device)
-        mtp_hidden, drafts = mtp_hidden[rows], [first[rows]]
+        mtp_hidden = mtp_hidden[rows]
+        # An eager first pass leaves the head to the draft rows: over a prompt's every row
+        # it would compute (and compile) the LM head at thousands of rows for a few drafts.
+        drafts = [self._greedy(mtp_hidden) if first is None else first[rows]]
         if isinstance(step, list):
             positions = [positions[r] for r in draft_rows]
             blocks = [blocks[r] for r in draft_rows]
@@ -159,13 +162,14 @@ class MTPProposer:
 
     def _first_pass(
         self, ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP layer over every row of the target's eager step: (hidden, greedy drafts)."""
+    ) -> tuple[torch.Tensor, None]:
+        """The MTP layer over every row of the target's eager step: (hidden, None: the
+        caller takes the greedy drafts of the rows it drafts for)."""
         if fb.plan is None:
             plan_forward(fb)
         mtp_hidden = self.model.mtp_forward(ids, fb.positions, hidden, fb)
         self.forward_counts.add("draft", "eager")
-        return mtp_hidden, self._greedy(mtp_hidden)
+        return mtp_hidden, None
 
     def _first_pass_rows(
         self,
@@ -175,10 +179,11 @@ class MTPProposer:
         blocks: list[list[int]],
         graphs: DraftGraphRunner | None,
         group: GroupStep | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first pass over decode rows (a graph-replayed decode or verify step): one
         draft-graph replay where a graph holds the rows (``group``: where the group
-        replays one), else eager over the same rows."""
+        replays one: hidden and greedy drafts of every row), else eager over the same
+        rows (hidden only)."""
         replay = graphs is not None and graphs.can_draft(len(positions))
         if group is not None:
             replay = group.graph_size is not None
