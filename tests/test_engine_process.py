@@ -107,6 +107,37 @@ def test_an_invalid_request_is_rejected_and_the_engine_goes_on(client):
     assert len(tokens) == GREEDY.max_tokens and client.alive
 
 
+def test_a_decode_worker_answers_a_remote_call_with_its_route_and_ticket_at_once():
+    """Blocks free: the route and the KV ticket come back in the call's first frame, so
+    the front calls the prefill worker without waiting for the decode loop's next step;
+    with none free the ticket follows once a finished request returns its blocks."""
+    config = {**CONFIG, "role": "decode", "kv_transfer": {"transport": "cpu"}}
+    config["cache"] = {"num_kv_blocks": 5, "block_size": 16}  # 4 usable blocks: 64 tokens
+    config["scheduler"] = {"max_model_len": 64, "max_num_seqs": 16}
+    decode = EngineClient(EngineConfig.from_dict(config), secret=SECRET)
+
+    async def run():
+        front = await _front(decode)
+        first = front.generate(GenerateCall("a", [5] * 40, GREEDY, remote=True))
+        first_events = await anext(first)
+        second = front.generate(GenerateCall("b", [6] * 40, GREEDY, remote=True))
+        second_events = await anext(second)
+        await first.aclose()  # "a" never gets its KV: leaving frees its blocks
+        later = await anext(second)
+        await second.aclose()
+        front.close()
+        return first_events, second_events, later
+
+    try:
+        first, second, later = asyncio.run(run())
+    finally:
+        decode.shutdown()
+    assert [type(e).__name__ for e in first] == ["Routed", "TicketIssued"]
+    assert first[0].route == "disaggregated"
+    assert [type(e).__name__ for e in second] == ["Routed"]  # 3 blocks, 1 left: it waits
+    assert [type(e).__name__ for e in later] == ["TicketIssued"]
+
+
 def _wait_all_blocks_free(client: EngineClient) -> None:
     deadline = time.monotonic() + 5
     while client.stats.num_free_blocks != client.stats.num_blocks or client.stats.num_running:

@@ -278,9 +278,7 @@ class EngineCore:
             except queue.Empty:
                 return
             if isinstance(command, GenerateCall):
-                event = self._admit(front, command)
-                if event is not None:
-                    self._send_events([event])
+                self._send_events(self._admit(front, command))
             elif isinstance(command, Abort):
                 if self._owners.get(command.request_id) is front:  # its own requests only
                     self._abort(command.request_id)
@@ -296,34 +294,38 @@ class EngineCore:
         self._owners.pop(request_id, None)
         self.engine.abort_request(request_id)
 
-    def _admit(self, front: Front, call: GenerateCall) -> Event | None:
+    def _admit(self, front: Front, call: GenerateCall) -> list[Event]:
         rid = call.request_id
         if rid in self._owners:  # the events go to the caller, the request stays its owner's
             front.send(StepEvents([Rejected(rid, f"request id {rid!r} is already in use")]))
-            return None
+            return []
         self._owners[rid] = front
         if self._draining:
-            return Overloaded(rid, f"the {self.engine.role} worker is shutting down")
+            return [Overloaded(rid, f"the {self.engine.role} worker is shutting down")]
         if self._max_requests is not None and len(self._owners) > self._max_requests:
             limit = self._max_requests
-            return Overloaded(rid, f"the {self.engine.role} worker holds its {limit} requests")
+            return [Overloaded(rid, f"the {self.engine.role} worker holds its {limit} requests")]
         return self._add(call)
 
-    def _add(self, call: GenerateCall) -> Event | None:
+    def _add(self, call: GenerateCall) -> list[Event]:
+        """Events of an admitted call: a decode worker's route, and its KV ticket at once
+        when blocks are free (in the same frame: the prefill worker can start without
+        waiting for this loop's next step)."""
         engine, rid, ids = self.engine, call.request_id, call.prompt_token_ids
         try:
             if not call.remote:
                 engine.add_request(rid, ids, call.params, kv_ticket=call.kv_ticket)
-                return None
+                return []
             cached = engine.num_cached_prefix_tokens(ids)
             ratio = call.local_prefix_ratio
             if ratio is not None and routing.keeps_prefix_hit_local(cached, len(ids), ratio):
                 engine.add_request(rid, ids, call.params)
-                return Routed(rid, routing.LOCAL_PREFIX_HIT)
+                return [Routed(rid, routing.LOCAL_PREFIX_HIT)]
             engine.add_remote_request(rid, ids, call.params)
-            return Routed(rid, routing.DISAGGREGATED)
         except InvalidRequestError as e:
-            return Rejected(rid, str(e))
+            return [Rejected(rid, str(e))]
+        tickets = engine.issue_tickets() if engine.ep_front is None else []  # EP: in a step
+        return [Routed(rid, routing.DISAGGREGATED), *map(_event_of, tickets)]
 
     def _ask_rendezvous(self, ticket, pair_key: str, unique_id: bytes) -> None:
         """NCCL prefill side, on a transport thread: the replica reaches the decode worker."""

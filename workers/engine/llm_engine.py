@@ -574,6 +574,14 @@ class LLMEngine:
                 outputs.append(self._on_handoff(event))
             except Exception as e:
                 outputs.append(self._fail_alone(event.request, e))
+        return outputs + self.issue_tickets()
+
+    def issue_tickets(self) -> list[RequestOutput]:
+        """Decode side: blocks for the remote requests that wait for them, each as an
+        output with its packed ``kv_ticket`` (a step also does this first)."""
+        if self.handoff is None:
+            return []
+        outputs = []
         for request, ticket in self.handoff.scheduler.issue_tickets():
             output = self.output_processor.make_output(request)
             output.kv_ticket = ticket.pack()
