@@ -15,7 +15,6 @@ import torch
 from splitserve.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
-from splitserve.scheduler.request import RequestStatus
 from splitserve.workers.engine.llm_engine import LLMEngine
 from splitserve.workers.kv.transfer.ticket import TransferTicket, token_slots
 from tests import checkpoints
@@ -101,6 +100,7 @@ class Handoff:
         self.tickets: dict[str, TransferTicket] = {}
         self.first_ahead: dict[str, int] = {}  # the prefill's first token, before the KV
         self.first_times: dict[str, list] = {}  # each side's first token's times
+        self._snapshot_at_done()
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
         self.decode.add_remote_request(rid, prompt, params)
@@ -138,11 +138,20 @@ class Handoff:
                 continue
             assert out.outputs[0].finish_reason == "transferred", out.error
             assert out.new_token_ids == []  # its first token went out already
-        for rid, req in self.prefill.scheduler.requests.items():
-            if req.status == RequestStatus.SENDING_KV and rid not in self.sent_kv:
-                n = req.num_prompt_tokens  # its blocks may be reused once it is acked
-                self.sent_kv[rid] = _slots_content(self.prefill, req.block_ids, 0, n)
         time.sleep(0.001)
+
+    def _snapshot_at_done(self) -> None:
+        """Keep each request's prefill KV as it is when its "done" frame goes (every layer
+        stored, the MTP layer's too; its blocks may be reused once it is acked)."""
+        worker = self.prefill.handoff.worker
+        finish_send = worker.finish_send
+
+        def finish(request, *args):
+            n = request.num_prompt_tokens
+            self.sent_kv[request.request_id] = _slots_content(self.prefill, request.block_ids, 0, n)
+            finish_send(request, *args)
+
+        worker.finish_send = finish
 
 
 def _slots_content(engine: LLMEngine, block_ids, start: int, end: int) -> list[torch.Tensor]:

@@ -132,3 +132,35 @@ def test_decode_worker_drafts_for_its_local_requests(agreeing_glm):
     assert tokens == _mixed_tokens(agreeing_glm, [prompt])["r0"]
     assert decode.spec_stats.acceptance_rate == 1.0
     decode.close()
+
+
+def test_a_prefill_worker_sends_the_first_token_before_it_drafts(agreeing_glm):
+    """The drafter's passes (the MTP layer over the prompt, the chained drafts) run after
+    the step that samples the first token has returned it, at the start of the next
+    step; then the "done" frame carries the drafts. Tokens and KV as before."""
+    prefill = _engine(agreeing_glm, "prefill", 2, block_size=16)
+    decode = _engine(agreeing_glm, "decode", 2)
+    order: list[str] = []
+    proposer = prefill.runner.speculator.proposer
+    propose = proposer.propose
+    proposer.propose = lambda *args: (order.append("drafts"), propose(*args))[1]
+    worker = prefill.handoff.worker
+    finish_send = worker.finish_send
+    worker.finish_send = lambda *args: (order.append("done"), finish_send(*args))[1]
+    step = prefill.step
+
+    def stepped():
+        outputs = step()
+        order.extend("first token" for o in outputs if o.new_token_ids)
+        return outputs
+
+    prefill.step = stepped
+    batch = prompts()[1:2]  # 9 tokens: one prefill step
+    run = Handoff(prefill, decode)
+    run.submit("r0", batch[0])
+    run.run()
+    assert order == ["first token", "drafts", "done"]
+    assert run.tokens == _mixed_tokens(agreeing_glm, batch)
+    assert decode.spec_stats.num_draft_tokens > 0  # the drafts arrived and were verified
+    prefill.close()
+    decode.close()

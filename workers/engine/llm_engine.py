@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +206,12 @@ class LLMEngine:
         if num_spec:  # where the drafts go depends on the tokens accepted: read back first
             self.async_scheduling = False
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
+        # A prefill worker with MTP sends each prompt's first token before its drafts: the
+        # drafter's passes run at the start of the next step, then the KV's "done" frames
+        # (with the drafts) go out. Not in an expert group, whose ranks step in lockstep.
+        self._defers_drafts = self.role == "prefill" and num_spec > 0 and lockstep is None
+        self._deferred_drafts: Callable[[], dict[str, list[int]]] | None = None
+        self._awaiting_drafts: list[tuple[Request, int, TokenLogprobs | None]] = []
         self.runner.capture_graphs()
         max_rows = config.scheduler.max_num_seqs * (1 + num_spec)  # sampled rows a step
         warm_sampling_kernels(model, self.sampler, self.device, max_rows)
@@ -315,6 +322,7 @@ class LLMEngine:
         return (
             self.scheduler.has_unfinished_requests()
             or self._in_flight is not None
+            or self._deferred_drafts is not None
             or (self.ep_front is not None and self.ep_front.has_unfinished())
             or (self.handoff is not None and self.handoff.scheduler.num_connecting > 0)
         )
@@ -324,6 +332,7 @@ class LLMEngine:
         return (
             self.scheduler.has_runnable_requests()
             or self._in_flight is not None
+            or self._deferred_drafts is not None
             or (self.ep_front is not None and self.ep_front.has_runnable())
         )
 
@@ -426,6 +435,7 @@ class LLMEngine:
         start = time.perf_counter()
         lockstep = self.runner.lockstep is not None  # every call is one step of the group
         outputs = self._handle_transfers()
+        self._send_deferred_drafts()  # before this step's forward reuses their inputs
         if any(o.new_token_ids or o.kv_ticket for o in outputs) and not lockstep:
             # First tokens that arrived, and tickets (a prefill worker starts on each), go
             # out now, not after a forward.
@@ -465,7 +475,9 @@ class LLMEngine:
 
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         sends = self.handoff.worker.start_sends(batch) if self.handoff else StepSends()
-        launched = self.runner.launch(batch, sends.on_layer_stored, previous=self._in_flight)
+        launched = self.runner.launch(
+            batch, sends.on_layer_stored, self._in_flight, defer_drafts=self._defers_drafts
+        )
         launched.send_errors = sends.errors
         self.scheduler.advance(batch)
         if self.handoff is not None:
@@ -491,7 +503,24 @@ class LLMEngine:
                 output = self._fail_alone(request, e)
             if output is not None:
                 outputs.append(output)
+        spec = launched.speculative
+        if spec is not None and spec.deferred_drafts is not None and self._awaiting_drafts:
+            self._deferred_drafts = spec.deferred_drafts
         return outputs
+
+    def _send_deferred_drafts(self) -> None:
+        """Prefill side with MTP: the last step's drafter passes (the MTP layer's prompt KV
+        follows the target's layers out), then each prompt's "done" frame with its drafts;
+        a request aborted meanwhile sends nothing (its transfer was cancelled)."""
+        if self._deferred_drafts is None:
+            return
+        draft, awaiting = self._deferred_drafts, self._awaiting_drafts
+        self._deferred_drafts, self._awaiting_drafts = None, []
+        drafts = draft()
+        for request, token, logprobs in awaiting:
+            if not request.is_finished:
+                rid = request.request_id
+                self.handoff.worker.finish_send(request, token, logprobs, drafts.get(rid, []))
 
     def _on_sampled(self, request: Request, result, launched: LaunchedStep) -> RequestOutput | None:
         """A request's sampled tokens as its output (None: a prefill hands them on)."""
@@ -505,7 +534,10 @@ class LLMEngine:
         if request.request_id in launched.send_errors:
             return self._fail(request, launched.send_errors[request.request_id])
         # prefill side: the first token (and drafts) follow the KV to the decode worker
-        self.handoff.worker.finish_send(request, toks[0], logprobs[0], drafts)
+        if launched.speculative is not None and launched.speculative.deferred_drafts:
+            self._awaiting_drafts.append((request, toks[0], logprobs[0]))  # next step's
+        else:
+            self.handoff.worker.finish_send(request, toks[0], logprobs[0], drafts)
         return self._first_token_ahead(request, toks[0], logprobs[0])
 
     def _first_token_ahead(

@@ -203,8 +203,11 @@ class ModelRunner:
         batch: SchedulerOutput,
         on_layer_stored: Callable[[int], None] | None = None,
         previous: LaunchedStep | None = None,
+        defer_drafts: bool = False,
     ) -> LaunchedStep:
         """Queue one step on the device: inputs, forward, logits, sampling; wait for nothing.
+        (With the MTP drafter: read back at once; ``defer_drafts``: the drafter's passes
+        left to the caller, ``speculative.deferred_drafts``.)
 
         A request's pending token (``PLACEHOLDER``, sampled by ``previous``, still
         in flight) is fed from ``previous``'s tokens on the device. A decode step that
@@ -213,7 +216,7 @@ class ModelRunner:
         """
         steps = [_step_request(r, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)]
         if self.speculator is not None:
-            return self._launch_speculative(batch, steps, on_layer_stored)
+            return self._launch_speculative(batch, steps, on_layer_stored, defer_drafts)
         graphs = self.decode_graphs
         replay = graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps)
         group = self.group_step(steps, replay)
@@ -242,6 +245,7 @@ class ModelRunner:
         batch: SchedulerOutput,
         steps: list[StepRequest],
         on_layer_stored: Callable[[int], None] | None,
+        defer_drafts: bool = False,
     ) -> LaunchedStep:
         """A step with the MTP drafter: forward, verify or sample, draft; read back at
         once (the accepted runs decide where the drafts go).
@@ -273,7 +277,9 @@ class ModelRunner:
         if draft_graphs is not None:
             self.capture_graphs()
         drafts = agree_drafts(group, self._draft_sizes()) if group is not None else None
-        spec = self.speculator.run(target, hidden, batch.requests, steps, draft_graphs, drafts)
+        spec = self.speculator.run(
+            target, hidden, batch.requests, steps, draft_graphs, drafts, defer_drafts
+        )
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         num_tokens = sum(len(s.new_token_ids) for s in steps)
         decode = sum(

@@ -10,6 +10,7 @@ verify.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,8 @@ class SpeculativeResult:
 
     runs: dict[str, VerifiedRun] = field(default_factory=dict)  # the tokens emitted
     drafts: dict[str, list[int]] = field(default_factory=dict)  # for the next step
+    # ``run(defer_drafts=True)``: the drafter's passes, not run yet (``drafts`` is empty)
+    deferred_drafts: Callable[[], dict[str, list[int]]] | None = None
 
 
 class Speculator:
@@ -61,11 +64,14 @@ class Speculator:
         steps: list[StepRequest],
         draft_graphs: DraftGraphRunner | None = None,
         group: DraftSteps | None = None,
+        defer_drafts: bool = False,
     ) -> SpeculativeResult:
         """Verify or sample, then draft (``target``: the target's eager batch, or its decode
         rows when it replayed a decode graph; ``draft_graphs``: the step may replay the
         drafter's graphs; ``group``: the expert-parallel group's drafter passes); waits
-        for the device."""
+        for the device. ``defer_drafts``: return once the tokens are in, the drafter's
+        passes as ``deferred_drafts`` (a prefill worker's first tokens go out first; the
+        caller runs them before the next forward, which may reuse ``hidden``'s memory)."""
         starts = [0]
         for s in steps:
             starts.append(starts[-1] + len(s.new_token_ids))
@@ -87,11 +93,17 @@ class Speculator:
                 end = step.num_computed + len(ids)
                 following[-1] = request.token_ids_between(end, end + 1)[0]
             next_ids += following
-        drafts = self.proposer.propose(target, hidden, next_ids, draft_rows, draft_graphs, group)
-        return SpeculativeResult(
-            runs={requests[i].request_id: run for i, run in runs.items()},
-            drafts=dict(zip(drafted, drafts)),
-        )
+
+        def draft() -> dict[str, list[int]]:
+            args = (target, hidden, next_ids, draft_rows, draft_graphs, group)
+            return dict(zip(drafted, self.proposer.propose(*args)))
+
+        result = SpeculativeResult(runs={requests[i].request_id: r for i, r in runs.items()})
+        if defer_drafts:
+            result.deferred_drafts = draft
+        else:
+            result.drafts = draft()
+        return result
 
     def _emit(
         self,
