@@ -164,3 +164,39 @@ def test_a_prefill_worker_sends_the_first_token_before_it_drafts(agreeing_glm):
     assert decode.spec_stats.num_draft_tokens > 0  # the drafts arrived and were verified
     prefill.close()
     decode.close()
+
+
+def test_deferred_drafts_send_the_same_kv_and_drafts_as_drafting_at_once(agreeing_glm):
+    """Prompts over several prefill chunks: the MTP layer's KV of every chunk (a chunk's
+    step samples nothing, yet its drafter pass writes that layer) and the drafts arrive
+    as when the prefill worker drafts inside the step."""
+    long = prompts()[2] + prompts()[3]  # 37 tokens: two steps of a chunk each, then 5
+    batch = [long, prompts()[1]]
+    sent, tokens = [], []
+    for defer in (True, False):
+        prefill = _engine(agreeing_glm, "prefill", 2, block_size=16)
+        decode = _engine(agreeing_glm, "decode", 2)
+        prefill._defers_drafts = defer
+        drafts = {}
+        worker = prefill.handoff.worker
+        finish_send = worker.finish_send
+
+        def finish(request, token, logprobs, request_drafts, _send=finish_send, _d=drafts):
+            _d[request.request_id] = list(request_drafts)
+            _send(request, token, logprobs, request_drafts)
+
+        worker.finish_send = finish
+        run = Handoff(prefill, decode)
+        for i, p in enumerate(batch):
+            run.submit(f"r{i}", p)
+        run.run()
+        sent.append((run.sent_kv, drafts))
+        tokens.append(run.tokens)
+        prefill.close()
+        decode.close()
+    (kv_deferred, drafts_deferred), (kv_at_once, drafts_at_once) = sent
+    assert drafts_deferred == drafts_at_once and all(len(d) == 2 for d in drafts_at_once.values())
+    for rid in kv_at_once:
+        for a, b in zip(kv_deferred[rid], kv_at_once[rid]):  # every layer, the MTP layer's too
+            assert torch.equal(a, b), rid
+    assert tokens[0] == tokens[1]

@@ -504,8 +504,8 @@ class LLMEngine:
             if output is not None:
                 outputs.append(output)
         spec = launched.speculative
-        if spec is not None and spec.deferred_drafts is not None and self._awaiting_drafts:
-            self._deferred_drafts = spec.deferred_drafts
+        if spec is not None and spec.deferred_drafts is not None:  # a chunk's step too:
+            self._deferred_drafts = spec.deferred_drafts  # its pass writes the MTP layer's KV
         return outputs
 
     def _send_deferred_drafts(self) -> None:
