@@ -37,6 +37,12 @@ ENV_VARS: dict[str, tuple[str, str]] = {
         "(`--api-key` takes precedence; this over `http.api_key`); empty: no key",
         "",
     ),
+    "SPLITSERVE_WARMUP": (
+        "the engine's start-up run of its eager forwards (prompts, a wide decode, the MTP "
+        "drafter): auto (on a GPU), 1 (on any device: tests run it on CPU), 0 (off: a "
+        "faster start; the first requests compile what they meet)",
+        "auto",
+    ),
     # Fault injection, for tests that kill a worker in a given phase of a request.
     "SPLITSERVE_PREFILL_STEP_DELAY_S": (
         "fault injection for tests: an engine sleeps this long after each step that leaves a "

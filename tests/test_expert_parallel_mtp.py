@@ -198,6 +198,27 @@ def test_ep2_with_mtp_gives_the_tokens_of_ep1_without_it(checkpoint, k, request)
     assert any(h.num_tokens > h.draft_rows > 0 for h, _ in seen)  # verify steps drafted
 
 
+def test_ep2_with_mtp_warms_up_in_lockstep_then_gives_the_tokens_of_ep1(
+    moe_drafter_glm, monkeypatch
+):
+    """The start-up warm-up (on a GPU by default; here forced on CPU): every rank runs
+    the target's and the drafter's eager passes as group steps, at every batch width,
+    in the same order. Afterwards: EP1's tokens, every block free on both ranks."""
+    monkeypatch.setenv("SPLITSERVE_WARMUP", "1")  # the other rank's process inherits it
+    want = _without_mtp(moe_drafter_glm)
+    eng = _engine(moe_drafter_glm, 2, 2)
+    try:
+        forwards = dict(((kind, how), n) for kind, how, n in eng.runner.forward_rows())
+        got = _generate(eng)
+        stats = collect_stats(eng, 0, wait_for_experts=True)
+        usable = eng.block_manager.num_usable_blocks
+    finally:
+        eng.close()
+    assert forwards[("draft", "eager")] > 8  # the drafter ran at start (8 widths and more)
+    assert {rid: run[0] for rid, run in got.items()} == want
+    assert stats.rank_free_blocks == [usable, usable]
+
+
 def test_ep2_prefill_worker_hands_mtp_state_to_an_ep2_decode_worker(moe_drafter_glm):
     """PD with EP and MTP K = 2 on both sides: the prefill group drafts in PREFILL mode
     (its chained passes too) and sends the MTP layer's KV and its drafts rank to rank;

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.config import EngineConfig, resolve_device, resolve_dtype
+from splitserve.config import EngineConfig, env, resolve_device, resolve_dtype
 from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.block_manager import BlockManager
@@ -215,7 +215,7 @@ class LLMEngine:
         self.runner.capture_graphs()
         max_rows = config.scheduler.max_num_seqs * (1 + num_spec)  # sampled rows a step
         warm_sampling_kernels(model, self.sampler, self.device, max_rows)
-        if self.device.type == "cuda":  # every role computes prompts (a decode worker short ones)
+        if warms_up(self.device):  # every role computes prompts (a decode worker short ones)
             sched = config.scheduler
             warm_eager_forwards(self.runner, sched.max_num_batched_tokens, sched.max_num_seqs)
         if self.ep_front is not None:
@@ -636,3 +636,11 @@ class LLMEngine:
             drafts = done.draft_token_ids[: self.config.num_speculative_tokens]
             request.spec_token_ids = list(drafts)  # the prefill worker's drafts
         return output
+
+
+def warms_up(device) -> bool:
+    """Whether the engine runs its eager forwards at start (``SPLITSERVE_WARMUP``)."""
+    setting = env("SPLITSERVE_WARMUP")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"SPLITSERVE_WARMUP={setting!r}: must be auto, 0 or 1")
+    return setting == "1" or (setting == "auto" and device.type == "cuda")
