@@ -186,40 +186,36 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
             before = sp.metric_values(base)
             results, seconds = run(base, low_load, "concurrency", 1, args, "low-load")
             out["low_load_ttft"] = low_load_report(results, seconds, baseline)
-            split = serve_report.ttft_split(before, settled_metrics(base))
+            split = serve_report.ttft_split(before, settled_ttft_samples(base))
             out["low_load_ttft"]["split"] = split
         out["points"] = [run_point(args, out["label"], base, p, baseline) for p in points]
         out["forwards"] = settled_forwards(base)  # graph hits
     return out
 
 
-def settled_metrics(url: str, period_s: float = 0.5, timeout_s: float = 5.0) -> dict:
-    """``/metrics`` once the request histograms stopped moving (each ingress replica posts
-    its samples to the stats board every ``stats_period_s``)."""
+def settled(read, period_s: float, timeout_s: float):
+    """``read()`` once two reads ``period_s`` apart agree (the workers' and ingress
+    replicas' reports reach ``/metrics`` periodically), or the last one at the timeout."""
     deadline = time.monotonic() + timeout_s
-    last = sp.metric_values(url)
+    last = read()
     while time.monotonic() < deadline:
         time.sleep(period_s)
-        now = sp.metric_values(url)
-        if all(now.get(k) == v for k, v in last.items() if "first_token" in k):
-            return now
-        last = now
-    return last
-
-
-def settled_forwards(url: str, period_s: float = 1.0, timeout_s: float = 10.0) -> list[dict]:
-    """The server's forwards by step kind once its workers' reports caught up: the same
-    in two reads ``period_s`` apart (more than a report's way from an engine to
-    ``/metrics``, ``stats_period_s`` and the engine's own period)."""
-    deadline = time.monotonic() + timeout_s
-    last = serve_report.forwards(sp.metric_values(url))
-    while time.monotonic() < deadline:
-        time.sleep(period_s)
-        now = serve_report.forwards(sp.metric_values(url))
+        now = read()
         if now == last:
             break
         last = now
     return last
+
+
+def settled_forwards(url: str) -> list[dict]:
+    """The server's forwards by step kind once its workers' reports caught up (more than
+    a report's way from an engine to ``/metrics`` between reads)."""
+    return settled(lambda: serve_report.forwards(sp.metric_values(url)), 1.0, 10.0)
+
+
+def settled_ttft_samples(url: str) -> dict[str, float]:
+    """The ingress's TTFT histograms once every ingress replica's post is in."""
+    return settled(lambda: serve_report.ttft_samples(sp.metric_values(url)), 0.5, 5.0)
 
 
 def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | None) -> dict:

@@ -123,6 +123,11 @@ TTFT_PARTS = {  # the ingress's TTFT histograms (``cluster/metrics.py``), by the
 }
 
 
+def ttft_samples(metrics: dict[str, float]) -> dict[str, float]:
+    """The samples of the TTFT histograms in a server's ``/metrics``."""
+    return {k: v for k, v in metrics.items() if k.startswith(tuple(TTFT_PARTS.values()))}
+
+
 def ttft_split(before: dict[str, float], after: dict[str, float]) -> dict[str, dict]:
     """Per route, the mean of each TTFT part (ms) over the requests between two reads of
     ``/metrics``, and how many there were."""

@@ -311,11 +311,16 @@ def test_messages_round_trip_through_the_codec():
 
 
 def test_merged_deltas_keep_every_token_in_order():
-    a = Delta("r", [1, 2], "ab", None, None, None, 0, None)
+    from splitserve.workers.output.request_output import FirstTokenTimes
+
+    times = FirstTokenTimes(0.001, 0.04)  # on the first token's delta only
+    a = Delta("r", [1, 2], "ab", None, None, None, 0, None, times)
     b = Delta("r", [3], "c", None, "length", None, 4, None)
     merged = merge_deltas([a, b])
     assert merged.token_ids == [1, 2, 3] and merged.text == "abc"
     assert merged.finish_reason == "length" and merged.num_cached_tokens == 4
+    assert merged.first_token_times == times  # the TTFT split survives a lagging consumer
+    assert messages.decode(messages.encode(merged)).first_token_times == times
 
 
 def test_the_ingress_merges_a_lists_deltas_and_raises_on_rejection_or_failure():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.errors import InvalidRequestError
@@ -191,6 +192,18 @@ def test_the_first_token_says_how_long_it_queued_and_prefilled():
     assert all(t is None for t in times["long"][1:] + times["short"][1:])  # the first only
     assert 0 <= long.queued_s < short.queued_s  # "short" waited for two of long's chunks
     assert long.prefill_s > short.prefill_s > 0  # three steps against one
+
+
+def test_an_unknown_warmup_setting_is_named(monkeypatch):
+    from splitserve.workers.engine.llm_engine import warms_up
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert (warms_up(cpu), warms_up(cuda)) == (False, True)  # auto: on a GPU
+    monkeypatch.setenv("SPLITSERVE_WARMUP", "1")
+    assert warms_up(cpu)
+    monkeypatch.setenv("SPLITSERVE_WARMUP", "yes")
+    with pytest.raises(ValueError, match="SPLITSERVE_WARMUP='yes': must be auto, 0 or 1"):
+        warms_up(cpu)
 
 
 def test_engine_settings_that_cannot_work_are_named():

@@ -349,3 +349,18 @@ def test_a_seeded_request_gives_the_same_tokens_whatever_the_batch(context_glm):
             tokens[out.request_id] = out.outputs[0].token_ids
     assert tokens["o1"] == alone
     assert eng.spec_stats.num_draft_tokens > 0
+
+
+def test_an_eager_first_pass_runs_the_mtp_head_on_the_draft_rows_only(agreeing_glm):
+    """A prompt's step: the MTP layer over all its rows (its KV), the head on the one row
+    drafted from (it ran over every row: thousands on a long prompt); the same tokens."""
+    eng = engine(agreeing_glm, k=2)
+    heads: list[int] = []
+    model = eng.runner.model
+    compute = model.mtp_compute_logits
+    model.mtp_compute_logits = lambda hidden: (heads.append(len(hidden)), compute(hidden))[1]
+    prompt = prompts()[2]  # 23 tokens, one step
+    tokens = generate(eng, [prompt])
+    assert heads[0] == 1  # the prompt's step: its last row only
+    assert all(n <= 1 for n in heads)  # one request: one row a pass, chained or not
+    assert tokens == generate(engine(agreeing_glm), [prompt])

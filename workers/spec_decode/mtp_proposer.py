@@ -97,7 +97,7 @@ class MTPProposer:
             )
         else:
             positions, blocks = _rows_at(step, draft_rows)
-            mtp_hidden, first = self._first_pass(ids, hidden, step)
+            mtp_hidden, first = self._first_pass(ids, hidden, step), None
         chain_step = group.chain if group is not None else None
         if not draft_rows:
             self._dummy_chain(chain_step, graphs)
@@ -162,14 +162,14 @@ class MTPProposer:
 
     def _first_pass(
         self, ids: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch
-    ) -> tuple[torch.Tensor, None]:
-        """The MTP layer over every row of the target's eager step: (hidden, None: the
+    ) -> torch.Tensor:
+        """The MTP layer's hidden states over every row of the target's eager step (the
         caller takes the greedy drafts of the rows it drafts for)."""
         if fb.plan is None:
             plan_forward(fb)
         mtp_hidden = self.model.mtp_forward(ids, fb.positions, hidden, fb)
         self.forward_counts.add("draft", "eager")
-        return mtp_hidden, None
+        return mtp_hidden
 
     def _first_pass_rows(
         self,
@@ -197,7 +197,7 @@ class MTPProposer:
         fb = build_forward_batch(steps, self.kv_cache, self.attn_backend, hidden.device)
         if group is not None:
             group.plan(fb)
-        return self._first_pass(ids, hidden, fb)
+        return self._first_pass(ids, hidden, fb), None
 
     def _greedy(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         return self.model.mtp_compute_logits(mtp_hidden).argmax(dim=-1)
