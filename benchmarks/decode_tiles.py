@@ -31,6 +31,7 @@ except ImportError:  # imported as a module
     from benchmarks import roofline
 
 from splitserve.kernels import tuning
+from splitserve.kernels.decode_attention import decode_attention as reference_attention
 from splitserve.kernels.kv_store import FP8_DTYPE
 from splitserve.kernels.triton.decode_attention import decode_attention
 from splitserve.kernels.tuning import DecodeTiles
@@ -40,6 +41,18 @@ SHAPES = {"b64x8k": (64, 8192), "b8x8k": (8, 8192)}
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 GRID = {"block_n": (64, 128, 256), "num_stages": (1, 2, 3, 4), "num_warps": (2, 4, 8)}
 QUICK = {"block_n": (64, 128), "num_stages": (1, 3), "num_warps": (2, 4)}
+# FP8's products (``DecodeTiles``): float16 or bfloat16 tiles; q·K and p·V on FP8
+# tensor cores (q and p as 2 or 3 FP8 terms: 2 hold a bfloat16 q exactly); widening
+# by bit operations. With ``--products`` each goes with every tile of the grid.
+PRODUCTS = {
+    "f16": dict(fp8_f16_dot=True),
+    "bf16": dict(fp8_f16_dot=False),
+    "f16/bits": dict(fp8_f16_dot=True, fp8_bit_widen=True),
+    "f16/qk8x2": dict(fp8_f16_dot=True, fp8_qk_terms=2),
+    "f16/qk8x2/bits": dict(fp8_f16_dot=True, fp8_qk_terms=2, fp8_bit_widen=True),
+    "f16/qk8x2/pv8x2": dict(fp8_f16_dot=True, fp8_qk_terms=2, fp8_pv_terms=2),
+    "f16/qk8x2/pv8x3": dict(fp8_f16_dot=True, fp8_qk_terms=2, fp8_pv_terms=3),
+}
 LAYOUTS = ("scattered", "sequential")
 
 
@@ -49,6 +62,10 @@ def main() -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--layout", choices=LAYOUTS, default="scattered", help="requests' blocks")
     p.add_argument("--json", nargs="?", const="", default=None, help="write the report")
+    p.add_argument(
+        "--products", action="store_true", help="FP8: every way of its products (PRODUCTS)"
+    )
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     args = p.parse_args()
     device = torch.device("cuda")
     copy_gbps = roofline.copy_bandwidth_gbps(device)
@@ -56,21 +73,23 @@ def main() -> None:
     defaults = {"bf16": tuned.split_kv_tiles, "fp8": tuned.split_kv_fp8_tiles}
     results: dict[str, dict[str, dict[str, float]]] = {}
     floors: dict[str, dict[str, float]] = {}
+    errors: dict[str, dict[str, dict[str, float]]] = {}
     for (name, (batch, context)), kv in itertools.product(
-        ((n, SHAPES[n]) for n in args.shapes), DTYPES
+        ((n, SHAPES[n]) for n in args.shapes), args.dtypes
     ):
         case = Case(batch, context, DTYPES[kv], device, args.layout)
         floors.setdefault(name, {})[kv] = case.bytes / copy_gbps / 1e3
         times = results.setdefault(name, {}).setdefault(kv, {})
-        for tiles in [defaults[kv], *candidates(kv, args.quick)]:
+        for tiles in [defaults[kv], *candidates(kv, args.quick, args.products)]:
             if key(tiles) not in times:
                 us = case.time_us(tiles)
                 if us is not None:
                     times[key(tiles)] = us
                     print(f"{name} {kv} {key(tiles)}: {us:.1f} us", flush=True)
+        errors.setdefault(name, {})[kv] = case.errors
         del case
         torch.cuda.empty_cache()
-    report(results, floors, defaults, copy_gbps, args)
+    report(results, floors, errors, defaults, copy_gbps, args)
 
 
 class Case:
@@ -102,6 +121,8 @@ class Case:
         kv_bytes = batch * (context + 1) * 2 * KV_HEADS * DIM * dtype.itemsize
         self.bytes = kv_bytes + 2 * batch * HEADS * DIM * 2
         self.reference: torch.Tensor | None = None
+        self.torch_out: torch.Tensor | None = None
+        self.errors: dict[str, float] = {}  # tiles -> relative error against torch
 
     def run(self, tiles: DecodeTiles) -> torch.Tensor:
         return decode_attention(
@@ -114,44 +135,69 @@ class Case:
         try:
             out = self.run(tiles).float()
         except Exception as exc:  # out of shared memory or registers: not a candidate
-            if "out of resource" not in str(exc).lower():
-                raise
+            if "out of resource" not in str(exc).lower():  # a way the compiler refuses
+                print(f"{key(tiles)}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             return None
         if self.reference is None:
             self.reference = out
         err = float((out - self.reference).abs().max() / self.reference.abs().max())
         if not err < 2e-2:
             raise SystemExit(f"{key(tiles)}: relative error {err:.3g} against the default")
+        self.errors[key(tiles)] = self.torch_error(out)
         return roofline.time_cuda_ms(lambda: self.run(tiles), repeat=20, flush_l2=True) * 1e3
 
+    def torch_error(self, out: torch.Tensor) -> float:
+        """Relative max error of ``out`` against the torch reference in float32 (computed
+        once: it stores the same new rows, so the cache stays as it was)."""
+        if self.torch_out is None:
+            self.torch_out = reference_attention(
+                self.q.float(), self.k_cache, self.v_cache, self.tables, self.lens, DIM**-0.5,
+                new_kv=(self.k, self.v, self.slots), kv_scales=self.scales,
+            ).float()  # fmt: skip
+        return float((out - self.torch_out).abs().max() / self.torch_out.abs().max())
 
-def candidates(kv: str, quick: bool) -> list[DecodeTiles]:
+
+def candidates(kv: str, quick: bool, products: bool = False) -> list[DecodeTiles]:
     grid = QUICK if quick else GRID
-    f16 = (False, True) if kv == "fp8" else (False,)
+    ways = [{}]
+    if kv == "fp8":
+        ways = list(PRODUCTS.values()) if products else [PRODUCTS["bf16"], PRODUCTS["f16"]]
     return [
-        DecodeTiles(n, s, w, f)
-        for n, s, w, f in itertools.product(
-            grid["block_n"], grid["num_stages"], grid["num_warps"], f16
+        DecodeTiles(n, s, w, **way)
+        for n, s, w, way in itertools.product(
+            grid["block_n"], grid["num_stages"], grid["num_warps"], ways
         )
     ]
 
 
 def key(tiles: DecodeTiles) -> str:
-    dot = "/f16" if tiles.fp8_f16_dot else ""
-    return f"n{tiles.block_n}/s{tiles.num_stages}/w{tiles.num_warps}{dot}"
+    way = "/f16" if tiles.fp8_f16_dot else ""
+    if tiles.fp8_qk_terms:
+        way += f"/qk8x{tiles.fp8_qk_terms}"
+    if tiles.fp8_pv_terms:
+        way += f"/pv8x{tiles.fp8_pv_terms}"
+    if tiles.fp8_bit_widen:
+        way += "/bits"
+    return f"n{tiles.block_n}/s{tiles.num_stages}/w{tiles.num_warps}{way}"
 
 
-def report(results, floors, defaults, copy_gbps, args) -> None:
+def report(results, floors, errors, defaults, copy_gbps, args) -> None:
     rows = []
     for name, by_kv in results.items():
         for kv, times in by_kv.items():
-            best = min(times, key=times.get)
-            for label, tiles_key in (("default", key(defaults[kv])), ("best", best)):
-                us = times[tiles_key]
-                floor_us = floors[name][kv]
-                rows.append([name, kv, label, tiles_key, us, floor_us, us / floor_us])
+            picks = [("default", key(defaults[kv])), ("best", min(times, key=times.get))]
+            if kv == "fp8" and args.products:  # the best tiles of each way
+                for way in PRODUCTS:
+                    mine = [k for k in times if way_of(k) == way]
+                    if mine:
+                        picks.append((f"best {way}", min(mine, key=times.get)))
+            for label, tiles_key in picks:
+                us, floor_us = times[tiles_key], floors[name][kv]
+                err = errors[name][kv].get(tiles_key)
+                rows.append([name, kv, label, tiles_key, us, floor_us, us / floor_us, err])
     print(f"copy bandwidth {copy_gbps:.0f} GB/s; one layer's call; L2 emptied before each")
-    roofline.print_table(["shape", "kv", "tiles", "which", "us", "floor us", "x floor"], rows)
+    columns = ["shape", "kv", "tiles", "which", "us", "floor us", "x floor", "err vs torch"]
+    roofline.print_table(columns, rows)
     if args.json is not None:
         env = roofline.environment(roofline.command_line("decode_tiles.py"))
         path = args.json or f"docs/perf/decode_tiles_{roofline.device_slug(env['device'])}.json"
@@ -161,9 +207,16 @@ def report(results, floors, defaults, copy_gbps, args) -> None:
             "defaults": {kv: key(t) for kv, t in defaults.items()},
             "floor_us": floors,
             "us": results,
+            "rel_error_vs_torch": errors,
         }
         roofline.write_report(path, payload)
         print(f"wrote {path}", flush=True)
+
+
+def way_of(tiles_key: str) -> str:
+    """The ``PRODUCTS`` name of a ``key``: what follows the tile sizes ("bf16": nothing)."""
+    way = tiles_key.split("/", 3)[3:]
+    return way[0] if way else "bf16"
 
 
 if __name__ == "__main__":

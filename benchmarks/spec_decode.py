@@ -36,6 +36,7 @@ neighbouring tokens, which lowers a verify step's bytes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -46,6 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gaps import gpu_gaps, print_gaps  # noqa: E402
 from roofline import (  # noqa: E402
     command_line,
     copy_bandwidth_gbps,
@@ -164,7 +166,9 @@ def simulate_acceptance(engine: LLMEngine, alpha: float | None) -> None:
     engine.runner.speculator.rejection_sampler.simulated_acceptance = alpha
 
 
-def time_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> dict:
+def time_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, profiler=None) -> dict:
+    """Prefill ``batch`` prompts, warm up, then time ``steps`` decode steps (inside
+    ``profiler``, a ``torch.profiler.profile`` not yet entered, when given)."""
     vocab = engine.hf_config.vocab_size
     k = engine.config.num_speculative_tokens
     params = SamplingParams(
@@ -180,10 +184,11 @@ def time_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> d
         engine.step()
     drafts, accepted = engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens
     torch.cuda.synchronize()
-    tokens, start = 0, time.perf_counter()
-    for _ in range(steps):
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    seconds = time.perf_counter() - start
+    with profiler or contextlib.nullcontext():
+        tokens, start = 0, time.perf_counter()
+        for _ in range(steps):
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+        seconds = time.perf_counter() - start
     drafts = engine.spec_stats.num_draft_tokens - drafts
     accepted = engine.spec_stats.num_accepted_tokens - accepted
     for rid in ids:
@@ -195,6 +200,19 @@ def time_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> d
         "tokens_per_request_step": tokens / (steps * batch),
         "acceptance_rate": accepted / drafts if drafts else None,
     }
+
+
+def profile_steps(engine: LLMEngine, batch: int, prompt_len: int, title: str) -> None:
+    """GPU time per kernel over two decode steps, and where the GPU waited for the host
+    (``gpu_gaps``: span, busy, idle, the largest gaps and what launched the next kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU])
+    time_decode(engine, batch, prompt_len, 2, profiler=prof)
+    print(f"\nprofile of two decode steps, {title}")
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+    print(table)
+    print_gaps(gpu_gaps(prof, top=16))
 
 
 def acceptance_label(alpha: str, k: int) -> str:
@@ -213,6 +231,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--json", help="write the rows and the environment here")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each timed (K, batch, alpha): the GPU kernels of two steps and where the "
+        "GPU waited between them (host time)",
+    )
     args = parser.parse_args()
     path = model_dir()
     max_model_len = args.prompt_len + (args.steps + WARMUP_STEPS + 4) * (max(args.ks) + 1)
@@ -249,6 +273,8 @@ def main() -> None:
                     }
                 )
                 print(rows[-1], flush=True)
+                if args.profile:
+                    profile_steps(engine, batch, args.prompt_len, f"K={k} batch={batch} {alpha}")
         del engine
         gc.collect()
         torch.cuda.empty_cache()
