@@ -59,14 +59,6 @@ class DecodeTiles:
     num_stages: int
     num_warps: int
     fp8_f16_dot: bool = False
-    # FP8 only. ``fp8_qk_terms``: q·K on FP8 tensor cores, q as that many FP8 terms
-    # (q scaled by a power of 2; three hold a 16-bit q exactly), K not widened (0: K
-    # widened). ``fp8_pv_terms``: the same for p·V, p scaled by 256 (0: V widened).
-    # ``fp8_bit_widen``: widening by bit operations (e4m3's bits placed in float16's,
-    # the 2**8 between them folded into the scales), not conversions; with f16 only.
-    fp8_qk_terms: int = 0
-    fp8_pv_terms: int = 0
-    fp8_bit_widen: bool = False
 
 
 @dataclass(frozen=True)

@@ -111,72 +111,17 @@ def _load_tile(
 
 
 @triton.jit
-def _attend_tile(
-    q, q_hi, q_mid, q_lo, k, v, valid, m, denom, acc, scale, PRECISION: tl.constexpr,
-    QK_TERMS: tl.constexpr, PV_TERMS: tl.constexpr, BIT_WIDEN: tl.constexpr,
-):  # fmt: skip
-    """One tile's step of the online softmax: the running max, sum and output updated.
-    FP8 tiles are widened to q's dtype, or multiplied as they are (``QK_TERMS``: against
-    q's FP8 terms; ``PV_TERMS``: p's, p scaled by 256)."""
-    if QK_TERMS > 0:
-        scores = _fp8_dot(q_hi, q_mid, q_lo, tl.trans(k), QK_TERMS)
-    else:
-        k = _widen(k, q.dtype, BIT_WIDEN)  # FP8 caches: widened to q's dtype (else as is)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    scores = tl.where(valid[None, :], scores * scale, float("-inf"))  # [G, N] float32
+def _attend_tile(q, k, v, valid, m, denom, acc, scale, PRECISION: tl.constexpr):
+    """One tile's step of the online softmax: the running max, sum and output updated."""
+    k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: widened to q's dtype (else as is)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
+    scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
     p = tl.exp(scores - m_new[:, None])
     alpha = tl.exp(m - m_new)
     denom = denom * alpha + tl.sum(p, axis=1)
-    if PV_TERMS > 0:
-        p_hi, p_mid, p_lo = _fp8_terms(p * 256.0)
-        pv = _fp8_dot(p_hi, p_mid, p_lo, v, PV_TERMS) * (1.0 / 256.0)
-    else:
-        v = _widen(v, q.dtype, BIT_WIDEN)
-        if BIT_WIDEN:  # V's widened values are 2**-8 of e4m3's: p makes it up
-            p = p * 256.0
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    acc = acc * alpha[:, None] + pv
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, denom, acc
-
-
-@triton.jit
-def _widen(x, dtype, BIT_WIDEN: tl.constexpr):
-    """``x`` in ``dtype``; ``BIT_WIDEN`` (e4m3 to float16): its bits placed in float16's,
-    which is exact (subnormals included) and 2**-8 of the value."""
-    if BIT_WIDEN:
-        bits = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-        return (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.float16, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
-def _fp8_terms(x):
-    """``x`` (float32 within e4m3's range) as three e4m3 terms, largest first: their sum
-    holds 4, 8 and 12 significant bits of ``x`` (8: a bfloat16 times a power of 2)."""
-    hi = x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    rest = x - hi.to(tl.float32)
-    mid = rest.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    lo = (rest - mid.to(tl.float32)).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-    return hi, mid, lo
-
-
-@triton.jit
-def _fp8_dot(a_hi, a_mid, a_lo, b, TERMS: tl.constexpr):
-    """``(a_hi + a_mid + a_lo) @ b`` on FP8 tensor cores, the first ``TERMS`` terms."""
-    out = tl.dot(a_hi, b)
-    if TERMS > 1:
-        out = tl.dot(a_mid, b, out)
-    if TERMS > 2:
-        out = tl.dot(a_lo, b, out)
-    return out
-
-
-@triton.jit
-def _power_of_2_below(amax):
-    """Per row: the power of 2 that puts ``amax`` in [128, 256) (e4m3 tops out at 448)."""
-    exponent = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return (tl.minimum(261 - exponent, 254) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -263,9 +208,6 @@ def _split_kernel(
     PDL: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8: q and the widened tiles in float16 (``DecodeTiles``)
     LOW_WORDS: tl.constexpr,  # an int64 block table read as its low int32 words
-    QK_TERMS: tl.constexpr,  # FP8: q·K on FP8 tensor cores, q in this many terms (0: widen)
-    PV_TERMS: tl.constexpr,  # FP8: p·V likewise (0: V widened)
-    BIT_WIDEN: tl.constexpr,  # FP8 widened to float16 by bit operations
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -322,14 +264,6 @@ def _split_kernel(
                     if first:
                         tl.store(v_scale_ptr, v_scale)
         scale = scale * k_scale
-    tile_scale = scale  # the cached tiles' scores: their terms' or widening's factor too
-    q_hi, q_mid, q_lo = q, q, q  # QK_TERMS: q's FP8 terms, each row by a power of 2
-    if QK_TERMS > 0:
-        q_pow = _power_of_2_below(tl.max(tl.abs(q.to(tl.float32)), axis=1))
-        q_hi, q_mid, q_lo = _fp8_terms(q.to(tl.float32) * q_pow[:, None])
-        tile_scale = scale / q_pow[:, None]
-    elif BIT_WIDEN:
-        tile_scale = scale * 256.0
     if NEW_KV:
         k_row = k_new_ptr + b * stride_kb + kv_head * stride_kh
         if NORM_ROPE:
@@ -360,20 +294,14 @@ def _split_kernel(
     first_tile = start
     if PRELOAD:
         if start < cached_end:  # an empty split attends nothing (all -inf would give NaN)
-            m, denom, acc = _attend_tile(
-                q, q_hi, q_mid, q_lo, k0, v0, valid0, m, denom, acc, tile_scale, PRECISION,
-                QK_TERMS, PV_TERMS, BIT_WIDEN,
-            )  # fmt: skip
+            m, denom, acc = _attend_tile(q, k0, v0, valid0, m, denom, acc, scale, PRECISION)
         first_tile = start + BLOCK_N
     for first in range(first_tile, cached_end, BLOCK_N):
         k, v, valid = _load_tile(
             k_cache_ptr, v_cache_ptr, table, first, cached_end, head_off, dims, dim_ok,
             BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset, LOW_WORDS,
         )  # fmt: skip
-        m, denom, acc = _attend_tile(
-            q, q_hi, q_mid, q_lo, k, v, valid, m, denom, acc, tile_scale, PRECISION, QK_TERMS,
-            PV_TERMS, BIT_WIDEN,
-        )  # fmt: skip
+        m, denom, acc = _attend_tile(q, k, v, valid, m, denom, acc, scale, PRECISION)
     loop_done(PDL)
     if NEW_KV:  # noqa: SIM102 - a compile-time branch around a run-time one
         if (start <= last) & (last < end):  # this run holds the new row: from the inputs
@@ -494,7 +422,6 @@ def decode_attention(
     k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (k_new, v_new))
     # without norm_rope: placeholders the kernel never reads
     positions, q_norm, k_norm, eps, cos, sin = norm_rope or (seq_lens, q, q, 0.0, q, q)
-    f16_dot = tiles.fp8_f16_dot and kv_scales is not None and q.dtype != torch.float32
     _split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, out.stride(0),
         out.stride(1), k_new, v_new, slots, *(kv_scales or (seq_lens, seq_lens)),
@@ -507,11 +434,8 @@ def decode_attention(
         NEW_KV=new_kv is not None, NORM_ROPE=norm_rope is not None, FP8=kv_scales is not None,
         CALIBRATE=kv_scales is not None and new_kv is not None and norm_rope is None,
         GROUP_KV=num_kv_heads, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        F16_DOT=f16_dot,
+        F16_DOT=tiles.fp8_f16_dot and kv_scales is not None and q.dtype != torch.float32,
         LOW_WORDS=block_tables.dtype == torch.int64,
-        QK_TERMS=tiles.fp8_qk_terms if kv_scales is not None else 0,
-        PV_TERMS=tiles.fp8_pv_terms if kv_scales is not None else 0,
-        BIT_WIDEN=f16_dot and tiles.fp8_bit_widen,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         PRELOAD=batch == 1 and new_kv is not None,  # the new row is not among the cached
         **launch_options(
