@@ -65,7 +65,7 @@ from splitserve.workers.runner.kernel_warmup import warm_eager_forwards, warm_sa
 from splitserve.workers.runner.model_runner import GraphLimits, LaunchedStep, ModelRunner
 from splitserve.workers.sampling.sampler import Sampler, TokenLogprobs
 from splitserve.workers.spec_decode.mtp_proposer import MTPProposer
-from splitserve.workers.spec_decode.speculator import Speculator
+from splitserve.workers.spec_decode.speculator import PendingDrafts, Speculator
 from splitserve.workers.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -206,6 +206,9 @@ class LLMEngine:
         if num_spec:  # where the drafts go depends on the tokens accepted: read back first
             self.async_scheduling = False
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
+        # MTP: the last step's drafts, on the device while the host turns its tokens into
+        # outputs; read back just before the next schedule (held while a drafted request runs)
+        self._pending_drafts: PendingDrafts | None = None
         # A prefill worker with MTP sends each prompt's first token before its drafts: the
         # drafter's passes run at the start of the next step, then the KV's "done" frames
         # (with the drafts) go out. Not in an expert group, whose ranks step in lockstep.
@@ -316,6 +319,7 @@ class LLMEngine:
             self.handoff.scheduler.cancel(request_id)
         aborted = self.scheduler.abort_request(request_id)
         self.sampler.release(request_id)
+        self._hold_drafts(self._pending_drafts)  # none of them for a request that ended
         return aborted
 
     def has_unfinished_requests(self) -> bool:
@@ -415,8 +419,10 @@ class LLMEngine:
 
         With async scheduling the device computes step i + 1 while the host
         turns step i's tokens into outputs; without it, each step is read back
-        before ``step`` returns. Rank 0 of an expert-parallel group steps the other
-        ranks with it and returns their outputs too.
+        before ``step`` returns (with MTP its tokens: the drafts are read back just
+        before the next step is scheduled, the drafter running meanwhile). Rank 0 of
+        an expert-parallel group steps the other ranks with it and returns their
+        outputs too.
         """
         if self.ep_front is None:
             return self._step()
@@ -440,6 +446,7 @@ class LLMEngine:
             # First tokens that arrived, and tickets (a prefill worker starts on each), go
             # out now, not after a forward.
             return outputs
+        self._resolve_drafts()  # the scheduler sizes each request's step by its drafts
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
         if self._in_flight is not None and not self._can_overlap(batch):
@@ -506,7 +513,28 @@ class LLMEngine:
         spec = launched.speculative
         if spec is not None and spec.deferred_drafts is not None:  # a chunk's step too:
             self._deferred_drafts = spec.deferred_drafts  # its pass writes the MTP layer's KV
+        if spec is not None:
+            self._hold_drafts(spec.drafts)
         return outputs
+
+    def _hold_drafts(self, pending: PendingDrafts | None) -> None:
+        """Hold a step's drafts for the next schedule while a request drafted for still
+        runs; else drop them, never read (an idle engine holds no device tensor)."""
+        running = pending is not None and any(
+            r.status == RequestStatus.RUNNING for r in pending.requests
+        )
+        self._pending_drafts = pending if running else None
+
+    def _resolve_drafts(self) -> None:
+        """The last step's drafts, read back now, onto its requests still running (one
+        finished, aborted or failed since gets none)."""
+        pending, self._pending_drafts = self._pending_drafts, None
+        if pending is None:
+            return
+        drafts = pending.result()
+        for request in pending.requests:
+            if request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = drafts[request.request_id]
 
     def _send_deferred_drafts(self) -> None:
         """Prefill side with MTP: the last step's drafter passes (the MTP layer's prompt KV
@@ -525,18 +553,15 @@ class LLMEngine:
     def _on_sampled(self, request: Request, result, launched: LaunchedStep) -> RequestOutput | None:
         """A request's sampled tokens as its output (None: a prefill hands them on)."""
         toks, logprobs = result.sampled[request.request_id]
-        drafts = result.drafts.get(request.request_id, [])
-        if request.kv_ticket is None:
-            output = self._append_run(request, toks, logprobs)
-            if not request.is_finished:
-                request.spec_token_ids = drafts
-            return output
+        if request.kv_ticket is None:  # its drafts: at the next schedule (_resolve_drafts)
+            return self._append_run(request, toks, logprobs)
         if request.request_id in launched.send_errors:
             return self._fail(request, launched.send_errors[request.request_id])
         # prefill side: the first token (and drafts) follow the KV to the decode worker
         if launched.speculative is not None and launched.speculative.deferred_drafts:
             self._awaiting_drafts.append((request, toks[0], logprobs[0]))  # next step's
-        else:
+        else:  # read back now: the "done" frame carries them (an expert group's prefill rank)
+            drafts = result.drafts.result().get(request.request_id, [])
             self.handoff.worker.finish_send(request, toks[0], logprobs[0], drafts)
         return self._first_token_ahead(request, toks[0], logprobs[0])
 

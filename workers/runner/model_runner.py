@@ -48,6 +48,7 @@ from splitserve.workers.runner.input_batch import (
 from splitserve.workers.runner.step_plan import plan_forward
 from splitserve.workers.sampling.sampler import SampledTokens, Sampler, TokenLogprobs
 from splitserve.workers.spec_decode.speculator import (
+    PendingDrafts,
     SpeculativeResult,
     Speculator,
     num_draft_rows,
@@ -60,7 +61,8 @@ class StepResult:
     sampled: dict[str, tuple[list[int], list[TokenLogprobs | None]]]
     num_prefill_tokens: int
     num_decode_tokens: int
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # for the next step (MTP)
+    # MTP: the drafts for the next step, on the device until ``drafts.result()``
+    drafts: PendingDrafts = field(default_factory=PendingDrafts)
 
 
 @dataclass
@@ -74,7 +76,7 @@ class LaunchedStep:
     num_decode_tokens: int
     # Request id -> KV transfer that could not be opened (set by the engine).
     send_errors: dict[str, str] = field(default_factory=dict)
-    speculative: SpeculativeResult | None = None  # a step with the MTP drafter: on the host
+    speculative: SpeculativeResult | None = None  # MTP: tokens on the host, drafts pending
 
     def __post_init__(self) -> None:
         self._rows = {r.request_id: i for i, r in enumerate(self.sampling)}
@@ -84,7 +86,7 @@ class LaunchedStep:
         return self._rows[request_id]
 
     def result(self) -> StepResult:
-        """Wait for the step's tokens on the host."""
+        """Wait for the step's tokens on the host (MTP: not for its drafts)."""
         sampled = {}
         if self.speculative is not None:
             spec = self.speculative
@@ -206,8 +208,9 @@ class ModelRunner:
         defer_drafts: bool = False,
     ) -> LaunchedStep:
         """Queue one step on the device: inputs, forward, logits, sampling; wait for nothing.
-        (With the MTP drafter: read back at once; ``defer_drafts``: the drafter's passes
-        left to the caller, ``speculative.deferred_drafts``.)
+        (With the MTP drafter: the tokens are read back at once, the drafts left on the
+        device; ``defer_drafts``: the drafter's passes left to the caller,
+        ``speculative.deferred_drafts``.)
 
         A request's pending token (``PLACEHOLDER``, sampled by ``previous``, still
         in flight) is fed from ``previous``'s tokens on the device. A decode step that
@@ -247,8 +250,8 @@ class ModelRunner:
         on_layer_stored: Callable[[int], None] | None,
         defer_drafts: bool = False,
     ) -> LaunchedStep:
-        """A step with the MTP drafter: forward, verify or sample, draft; read back at
-        once (the accepted runs decide where the drafts go).
+        """A step with the MTP drafter: forward, verify or sample, draft; the tokens read
+        back at once (the accepted runs decide where the drafts go), the drafts launched.
 
         A step of decodes and verifies replays the decode graph of its token count: a
         request's ``1 + k`` tokens are ``1 + k`` decode rows over its block table, row

@@ -78,14 +78,14 @@ class MTPProposer:
         draft_rows: list[int],
         graphs: DraftGraphRunner | None = None,
         group: DraftSteps | None = None,
-    ) -> list[list[int]]:
+    ) -> torch.Tensor:
         """Drafts for the requests whose last emitted token sits at ``draft_rows`` of the
         target's step (hidden states ``hidden``); ``next_token_ids``: the token after each
         row. ``step``: the eager batch the target ran, or its decode rows (one a token)
         when the target replayed a decode graph; ``graphs``: the step may replay the
         drafter's graphs (the runner's decision for the step): the first pass over decode
         rows and the chained steps; ``group``: the expert-parallel group's passes, which
-        decide instead. Returns ``K`` drafts per draft row (waits for the device)."""
+        decide instead. Returns the drafts ``[rows, K]`` on the device, launched, not read back."""
         device = hidden.device
         ids = to_device(next_token_ids, device)
         first_step = group.first if group is not None else None
@@ -101,7 +101,7 @@ class MTPProposer:
         chain_step = group.chain if group is not None else None
         if not draft_rows:
             self._dummy_chain(chain_step, graphs)
-            return []
+            return torch.empty(0, self.num_speculative_tokens, dtype=torch.long, device=device)
         if group is not None and chain_step is None:
             raise RuntimeError("a rank drafts in a group step whose drafter runs no chain")
         rows = to_device(draft_rows, device)
@@ -131,7 +131,7 @@ class MTPProposer:
             mtp_hidden = self.model.mtp_forward(chain.input_ids, chain.positions, mtp_hidden, chain)
             self.forward_counts.add("draft", "eager")
             drafts.append(self._greedy(mtp_hidden))
-        return torch.stack(drafts, dim=1).tolist()
+        return torch.stack(drafts, dim=1)  # its own memory: no graph's output buffer
 
     # -- expert parallelism: the passes of a rank without rows ---------------------------
 

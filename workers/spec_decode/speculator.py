@@ -6,6 +6,10 @@ first token, or a request that may not be drafted for). Then the MTP drafter
 (``MTPProposer``) runs over the step's rows and drafts for every sampling request
 that may be drafted for; the scheduler trims the drafts to what the next step can
 verify.
+
+The drafts stay on the device when ``run`` returns (``PendingDrafts``): the drafter's
+passes run while the host turns the step's tokens into outputs, and the engine reads
+them back just before it schedules the next step, which they size.
 """
 
 from __future__ import annotations
@@ -30,11 +34,33 @@ from splitserve.workers.spec_decode.rejection_sampler import (
 
 
 @dataclass
-class SpeculativeResult:
-    """The host side of a speculative step, per sampling request id."""
+class PendingDrafts:
+    """The drafts for the next step, launched on the device; ``result()`` reads them back
+    (once) as request id -> drafts."""
 
-    runs: dict[str, VerifiedRun] = field(default_factory=dict)  # the tokens emitted
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # for the next step
+    requests: list[Request] = field(default_factory=list)  # the drafted ones, in rows
+    tokens: torch.Tensor | None = None  # [rows, K]; None once read back
+    _drafts: dict[str, list[int]] | None = field(default=None, init=False, repr=False)
+
+    @property
+    def read_back(self) -> bool:
+        return self._drafts is not None
+
+    def result(self) -> dict[str, list[int]]:
+        if self._drafts is None:
+            rows = self.tokens.tolist() if self.tokens is not None else []
+            self._drafts = {r.request_id: d for r, d in zip(self.requests, rows)}
+            self.tokens = None
+        return self._drafts
+
+
+@dataclass
+class SpeculativeResult:
+    """A speculative step: the tokens emitted (on the host, per sampling request id) and
+    the drafts for the next step (on the device)."""
+
+    runs: dict[str, VerifiedRun] = field(default_factory=dict)
+    drafts: PendingDrafts = field(default_factory=PendingDrafts)
     # ``run(defer_drafts=True)``: the drafter's passes, not run yet (``drafts`` is empty)
     deferred_drafts: Callable[[], dict[str, list[int]]] | None = None
 
@@ -69,16 +95,18 @@ class Speculator:
         """Verify or sample, then draft (``target``: the target's eager batch, or its decode
         rows when it replayed a decode graph; ``draft_graphs``: the step may replay the
         drafter's graphs; ``group``: the expert-parallel group's drafter passes); waits
-        for the device. ``defer_drafts``: return once the tokens are in, the drafter's
-        passes as ``deferred_drafts`` (a prefill worker's first tokens go out first; the
-        caller runs them before the next forward, which may reuse ``hidden``'s memory)."""
+        for the tokens, not for the drafts. ``defer_drafts``: return once the tokens are
+        in, the drafter's passes as ``deferred_drafts`` (a prefill worker's first tokens
+        go out first; the caller runs them before the next forward, which may reuse
+        ``hidden``'s memory)."""
         starts = [0]
         for s in steps:
             starts.append(starts[-1] + len(s.new_token_ids))
         sampling = [i for i, s in enumerate(steps) if s.sample]
         runs = self._emit(hidden, requests, steps, starts, sampling)
         next_ids: list[int] = []
-        draft_rows, drafted = [], []
+        draft_rows: list[int] = []
+        drafted: list[Request] = []
         for i, (request, step) in enumerate(zip(requests, steps)):
             ids = step.new_token_ids
             following = ids[1:] + [0]
@@ -88,19 +116,19 @@ class Speculator:
                 following[base : base + len(emitted)] = emitted
                 if drafts_after(request, step):
                     draft_rows.append(starts[i] + base + len(emitted) - 1)
-                    drafted.append(request.request_id)
+                    drafted.append(request)
             else:  # a prompt chunk: the next prompt token follows it
                 end = step.num_computed + len(ids)
                 following[-1] = request.token_ids_between(end, end + 1)[0]
             next_ids += following
 
-        def draft() -> dict[str, list[int]]:
+        def draft() -> PendingDrafts:
             args = (target, hidden, next_ids, draft_rows, draft_graphs, group)
-            return dict(zip(drafted, self.proposer.propose(*args)))
+            return PendingDrafts(drafted, self.proposer.propose(*args))
 
         result = SpeculativeResult(runs={requests[i].request_id: r for i, r in runs.items()})
         if defer_drafts:
-            result.deferred_drafts = draft
+            result.deferred_drafts = lambda: draft().result()
         else:
             result.drafts = draft()
         return result
