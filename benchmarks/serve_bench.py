@@ -27,8 +27,12 @@ engine output tokens/s for each closed-loop point (the engine's ``max_num_seqs``
 lowered to the concurrency) and for the highest-rate point (``max_num_seqs`` as
 configured). ``--low-load-ttft N`` sends N requests one at a time and reports
 the served p50 TTFT minus the engine's p50 TTFT for the same prompts: what the
-serving path adds at low load; and, from the server's ``/metrics``, where the
-TTFT went per route: the engine's queue and prefill, the serving path's share.
+serving path adds at low load; the engine alone runs them back to back (as a mixed
+worker sees them) and on a prefill worker's duty cycle (idle while the request
+decodes elsewhere; "idle" columns): a disaggregated route's prefill worker computes
+each prompt after idling, which on its own makes it slower. From the server's
+``/metrics``, where the TTFT went per route: the engine's queue and prefill, the
+serving path's share.
 """
 
 from __future__ import annotations
@@ -270,11 +274,13 @@ def warn_if_busy(cpu: dict, when: str) -> dict:
 def low_load_report(results, seconds: float, baseline: dict | None) -> dict:
     summary = serve_load.summarize(results, seconds)
     out = {"requests": len(results), "served": summary, "served_ttft_ms": summary["ttft_ms"]}
-    if baseline and baseline.get("ttft_s"):
-        engine = serve_load.latency_stats(baseline["ttft_s"])
-        out["engine_ttft_ms"] = engine
-        if summary["ttft_ms"]["p50"] is not None:
-            out["added_p50_ms"] = summary["ttft_ms"]["p50"] - engine["p50"]
+    served_p50 = summary["ttft_ms"]["p50"]
+    for key, name in (("ttft_s", ""), ("ttft_idle_s", "_idle")):
+        if baseline and baseline.get(key):
+            engine = serve_load.latency_stats(baseline[key])
+            out[f"engine{name}_ttft_ms"] = engine
+            if served_p50 is not None:
+                out[f"added_p50{name}_ms"] = served_p50 - engine["p50"]
     return out
 
 

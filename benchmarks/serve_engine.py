@@ -22,7 +22,9 @@ the CPU or GPU. SPEC (written by ``engine_baseline``)::
   decode worker's served TPOT is compared with;
 - TTFT: one request at a time through the ``LLM``'s engine step loop
   (``llm.engine.add_request`` then ``step()``), from adding it to the step that
-  returns its first token.
+  returns its first token: back to back (``ttft_s``; a mixed worker at low load), and
+  on a prefill worker's duty cycle (``ttft_idle_s``: each prompt after the engine
+  idled for as long as the previous request decoded).
 """
 
 from __future__ import annotations
@@ -114,11 +116,15 @@ def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
     return {"decode_batch": batch, "decode_step_ms": seconds * 1e3}
 
 
-def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> list[float]:
-    """Seconds from ``add_request`` to the step that returns the first token, one at a time."""
+def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> tuple[list, list]:
+    """Seconds from ``add_request`` to the step that returns the first token, one request
+    at a time: back to back (each runs to its end, then the next comes), and on a prefill
+    worker's duty cycle (the prompt alone, then the engine idles for as long as the
+    request's decoding took back to back, as a prefill worker does while its decode
+    worker decodes: an idle CPU or GPU computes the next prompt slower)."""
     from splitserve import SamplingParams
 
-    engine, seconds = llm.engine, []
+    engine, back_to_back, decode_s = llm.engine, [], []
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         params = SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
         start, first = time.perf_counter(), None
@@ -127,8 +133,20 @@ def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> list[float
             for out in engine.step():
                 if first is None and out.new_token_ids:
                     first = time.perf_counter() - start
-        seconds.append(first)
-    return seconds
+        back_to_back.append(first)
+        decode_s.append(time.perf_counter() - start - first)
+    idle = []
+    for i, (prompt, pause) in enumerate(zip(prompts, decode_s)):
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        time.sleep(pause)
+        start, first = time.perf_counter(), None
+        engine.add_request(f"ttft-idle-{i}", prompt, params)
+        while first is None:
+            if any(out.new_token_ids for out in engine.step()):
+                first = time.perf_counter() - start
+        idle.append(first)
+        engine.abort_request(f"ttft-idle-{i}")
+    return back_to_back, idle
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -164,7 +182,8 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("ttft"):
         llm, _ = llm_for(None)
         ttft = spec["ttft"]
-        report["ttft_s"] = time_to_first_token(llm, ttft["prompts"], ttft["max_tokens"])
+        ttft_s = time_to_first_token(llm, ttft["prompts"], ttft["max_tokens"])
+        report["ttft_s"], report["ttft_idle_s"] = ttft_s
     Path(out_path).write_text(json.dumps(report))
 
 

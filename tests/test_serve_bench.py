@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import serve_bench, serve_process, serve_report
+from benchmarks import serve_bench, serve_engine, serve_process, serve_report
 from benchmarks.serve_load import RequestResult, random_prompts, read_prompts_file, summarize
 
 
@@ -29,6 +29,24 @@ def test_random_prompts_are_seeded_and_in_range():
     assert all(20 <= len(s.prompt) <= 60 and s.max_tokens == 8 for s in a)
     assert len({len(s.prompt) for s in a}) > 1
     assert all(1 <= t < 100 for s in a for t in s.prompt)
+
+
+def test_the_engine_alone_times_first_tokens_back_to_back_and_after_idling(monkeypatch):
+    """The low-load baseline: each prompt back to back (run to its end), then on a prefill
+    worker's duty cycle: idle for as long as that request decoded, the prompt alone."""
+    from splitserve import LLM
+
+    llm = LLM("qwen3-tiny")
+    free = llm.engine.block_manager.num_free_blocks
+    pauses: list[float] = []
+    monkeypatch.setattr(serve_engine.time, "sleep", pauses.append)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 6]
+    back_to_back, idle = serve_engine.time_to_first_token(llm, prompts, [6, 3])
+    assert len(back_to_back) == len(idle) == 2
+    assert all(t > 0 for t in back_to_back + idle)
+    assert len(pauses) == 2 and all(p > 0 for p in pauses)  # the decodes it stands in for
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == free
 
 
 def test_prompts_file_lines(tmp_path):
@@ -107,6 +125,7 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     low = config["low_load_ttft"]
     assert low["requests"] == 2 and low["served"]["completed"] == 2
     assert low["engine_ttft_ms"]["p50"] > 0 and "added_p50_ms" in low
+    assert low["engine_idle_ttft_ms"]["p50"] > 0 and "added_p50_idle_ms" in low
     # where those two TTFTs went, from /metrics: the ingress's TTFT is the prefill
     # engine's queue and prefill and the serving path; the client's holds it
     split = low["split"]["disaggregated"]
