@@ -138,6 +138,7 @@ def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> tuple[list
     idle = []
     for i, (prompt, pause) in enumerate(zip(prompts, decode_s)):
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        engine.block_manager.reset_prefix_cache()  # computed again, not a prefix-cache hit
         time.sleep(pause)
         start, first = time.perf_counter(), None
         engine.add_request(f"ttft-idle-{i}", prompt, params)

@@ -41,7 +41,17 @@ def test_the_engine_alone_times_first_tokens_back_to_back_and_after_idling(monke
     pauses: list[float] = []
     monkeypatch.setattr(serve_engine.time, "sleep", pauses.append)
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 6]
+    computed: list[int] = []
+    step = llm.engine.step
+
+    def counted():  # the prompt tokens each step computes
+        outputs = step()
+        computed.append(llm.engine.last_step.num_prefill_tokens)
+        return outputs
+
+    monkeypatch.setattr(llm.engine, "step", counted)
     back_to_back, idle = serve_engine.time_to_first_token(llm, prompts, [6, 3])
+    assert computed.count(16) == computed.count(18) == 2  # both passes compute each prompt
     assert len(back_to_back) == len(idle) == 2
     assert all(t > 0 for t in back_to_back + idle)
     assert len(pauses) == 2 and all(p > 0 for p in pauses)  # the decodes it stands in for
