@@ -78,7 +78,7 @@ def prefill_worker_ttft(args, values: dict, prompts: list[list[int]]) -> list[di
     ttft: dict[bool, list[float]] = {True: [], False: []}
     for i, prompt in enumerate(prompts):
         for after in (True, False) if i % 2 else (False, True):  # interleaved
-            prefill._defers_drafts = after  # the order under comparison (not a setting)
+            prefill.defers_drafts = after  # the order under comparison (not a setting)
             rid = f"{after}-{i}"
             decode.add_remote_request(rid, prompt, params)
             ticket = None

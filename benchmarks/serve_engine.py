@@ -122,32 +122,33 @@ def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> tuple[list
     worker's duty cycle (the prompt alone, then the engine idles for as long as the
     request's decoding took back to back, as a prefill worker does while its decode
     worker decodes: an idle CPU or GPU computes the next prompt slower)."""
-    from splitserve import SamplingParams
-
     engine, back_to_back, decode_s = llm.engine, [], []
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        params = SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
-        start, first = time.perf_counter(), None
-        engine.add_request(f"ttft-{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if first is None and out.new_token_ids:
-                    first = time.perf_counter() - start
+        first, total = _first_token(engine, f"ttft-{i}", prompt, m, to_the_end=True)
         back_to_back.append(first)
-        decode_s.append(time.perf_counter() - start - first)
+        decode_s.append(total - first)
     idle = []
     for i, (prompt, pause) in enumerate(zip(prompts, decode_s)):
-        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         engine.block_manager.reset_prefix_cache()  # computed again, not a prefix-cache hit
         time.sleep(pause)
-        start, first = time.perf_counter(), None
-        engine.add_request(f"ttft-idle-{i}", prompt, params)
-        while first is None:
-            if any(out.new_token_ids for out in engine.step()):
-                first = time.perf_counter() - start
-        idle.append(first)
-        engine.abort_request(f"ttft-idle-{i}")
+        idle.append(_first_token(engine, f"ttft-idle-{i}", prompt, 2, to_the_end=False)[0])
     return back_to_back, idle
+
+
+def _first_token(engine, rid: str, prompt, max_tokens: int, to_the_end: bool):
+    """Seconds to the step with the request's first token, and to its end (``to_the_end``;
+    else it is aborted there)."""
+    from splitserve import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start, first = time.perf_counter(), None
+    engine.add_request(rid, prompt, params)
+    while first is None or (to_the_end and engine.has_unfinished_requests()):
+        if any(out.new_token_ids for out in engine.step()) and first is None:
+            first = time.perf_counter() - start
+    if not to_the_end:
+        engine.abort_request(rid)
+    return first, time.perf_counter() - start
 
 
 def main(spec_path: str, out_path: str) -> None:

@@ -176,7 +176,7 @@ def test_deferred_drafts_send_the_same_kv_and_drafts_as_drafting_at_once(agreein
     for defer in (True, False):
         prefill = _engine(agreeing_glm, "prefill", 2, block_size=16)
         decode = _engine(agreeing_glm, "decode", 2)
-        prefill._defers_drafts = defer
+        prefill.defers_drafts = defer
         drafts = {}
         worker = prefill.handoff.worker
         finish_send = worker.finish_send

@@ -212,8 +212,8 @@ class LLMEngine:
         # A prefill worker with MTP sends each prompt's first token before its drafts: the
         # drafter's passes run at the start of the next step, then the KV's "done" frames
         # (with the drafts) go out. Not in an expert group, whose ranks step in lockstep.
-        self._defers_drafts = self.role == "prefill" and num_spec > 0 and lockstep is None
-        self._deferred_drafts: Callable[[], dict[str, list[int]]] | None = None
+        self.defers_drafts = self.role == "prefill" and num_spec > 0 and lockstep is None
+        self._deferred_drafts: Callable[[], PendingDrafts] | None = None
         self._awaiting_drafts: list[tuple[Request, int, TokenLogprobs | None]] = []
         self.runner.capture_graphs()
         max_rows = config.scheduler.max_num_seqs * (1 + num_spec)  # sampled rows a step
@@ -483,7 +483,7 @@ class LLMEngine:
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         sends = self.handoff.worker.start_sends(batch) if self.handoff else StepSends()
         launched = self.runner.launch(
-            batch, sends.on_layer_stored, self._in_flight, defer_drafts=self._defers_drafts
+            batch, sends.on_layer_stored, self._in_flight, defer_drafts=self.defers_drafts
         )
         launched.send_errors = sends.errors
         self.scheduler.advance(batch)
@@ -544,7 +544,7 @@ class LLMEngine:
             return
         draft, awaiting = self._deferred_drafts, self._awaiting_drafts
         self._deferred_drafts, self._awaiting_drafts = None, []
-        drafts = draft()
+        drafts = draft().result()
         for request, token, logprobs in awaiting:
             if not request.is_finished:
                 rid = request.request_id

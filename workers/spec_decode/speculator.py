@@ -62,7 +62,7 @@ class SpeculativeResult:
     runs: dict[str, VerifiedRun] = field(default_factory=dict)
     drafts: PendingDrafts = field(default_factory=PendingDrafts)
     # ``run(defer_drafts=True)``: the drafter's passes, not run yet (``drafts`` is empty)
-    deferred_drafts: Callable[[], dict[str, list[int]]] | None = None
+    deferred_drafts: Callable[[], PendingDrafts] | None = None
 
 
 class Speculator:
@@ -128,7 +128,7 @@ class Speculator:
 
         result = SpeculativeResult(runs={requests[i].request_id: r for i, r in runs.items()})
         if defer_drafts:
-            result.deferred_drafts = lambda: draft().result()
+            result.deferred_drafts = draft
         else:
             result.drafts = draft()
         return result
