@@ -17,6 +17,7 @@ frame per engine step. One request's path (``cluster.routing`` picks the route):
 A worker failure before the first token is retried once on a fresh pair,
 without the worker that failed; after it, the request ends with an error (a decode
 worker lost mid hand-off, once the prefill worker's first token went out, too). A
+retry that fails too, or finds no worker left, ends with the first attempt's cause. A
 client that goes away aborts the request on both workers, so both free its KV
 blocks. Every worker of a pool at its limit: the request waits (up to the pool's
 ``max_queued_requests``), then 503.
@@ -76,6 +77,14 @@ MAX_BUSY_RETRIES = 16  # workers answering Overloaded (their load reports lagged
 DRAIN_RETRY_AFTER_S = 5  # Retry-After of the 503s while draining
 SHUTTING_DOWN = "the server is shutting down"
 INLINE_PARSE_BYTES = 1024  # bodies up to this are parsed on the event loop (< 0.5 ms)
+
+
+def _with_cause(message: str, first_failure: str | None) -> str:
+    """A retried request's error, with what made the first attempt fail (the real cause,
+    where the retry only met its consequence: the failed worker gone, or none left)."""
+    if first_failure is None:
+        return message
+    return f"{message} (on a retry; the first attempt failed: {first_failure})"
 
 
 @serve.deployment(name="ingress")  # replicas and limits: ``ingress_deployment`` in app.py
@@ -262,7 +271,7 @@ class OpenAIIngress:
         )
         last = time.monotonic()
         num_tokens, outcome = 0, "cancelled"
-        routes, failed = [route], set()
+        routes, failed, first_failure = [route], set(), None
         self._in_flight += 1
         try:
             for attempt in range(MAX_ATTEMPTS):
@@ -287,11 +296,14 @@ class OpenAIIngress:
                         raise OpenAIError(503, SHUTTING_DOWN, "server_error") from e
                     if num_tokens or attempt + 1 == MAX_ATTEMPTS:
                         outcome = "error"
-                        raise OpenAIError(500, str(e), "server_error") from e
+                        message = _with_cause(str(e), first_failure)
+                        raise OpenAIError(500, message, "server_error") from e
+                    first_failure = str(e)
                     logger.warning("request %s: %s; retrying", request_id, e)
                 except (PoolOverloaded, NoWorker) as e:
                     outcome = "error"
-                    raise overloaded(f"the {routes[-1]} route is overloaded: {e}") from e
+                    message = f"the {routes[-1]} route is overloaded: {e}"
+                    raise overloaded(_with_cause(message, first_failure)) from e
                 except OpenAIError:
                     outcome = "error"
                     raise

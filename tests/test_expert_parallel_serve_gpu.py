@@ -114,7 +114,7 @@ def test_killed_decode_rank_on_gpus_ends_its_streams_and_leaks_nothing(tmp_path)
         cuda_graph={"enabled": True}, kv_transfer={"transport": "nccl", "timeout_s": 60},
     )  # fmt: skip
     config["drain_timeout_s"] = 5.0
-    with serving(config, tmp_path / "serve") as server:
+    with serving(config, tmp_path) as server:
         killed_decode_rank_ends_its_streams(server, num_blocks)
 
 

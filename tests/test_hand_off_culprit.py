@@ -18,9 +18,9 @@ from splitserve.workers.engine.engine_connection import EngineConnection
 from splitserve.workers.engine.messages import WorkerStats
 
 
-async def _connections(stats: list[WorkerStats] = ()):
-    """A decode and a prefill connection to one listener, which sends ``stats`` frames
-    to the first connection once the test sets ``send``."""
+async def _connections(frames: list = ()):
+    """A decode and a prefill connection to one listener, which sends ``frames`` (stats,
+    step events) to the first connection once the test sets ``send``."""
     send = asyncio.Event()
     writers = []
 
@@ -28,8 +28,8 @@ async def _connections(stats: list[WorkerStats] = ()):
         writers.append(writer)
         if len(writers) == 1:
             await send.wait()
-            for s in stats:
-                writer.write(messages.framed(messages.encode(s)))
+            for frame in frames:
+                writer.write(messages.framed(messages.encode(frame)))
         await reader.read()  # hold the connection open until the front closes it
 
     server = await asyncio.start_server(accept, "127.0.0.1", 0)
@@ -91,6 +91,53 @@ def test_a_hung_decode_worker_that_steps_again_is_kept_again():
                     break
                 await asyncio.sleep(0.01)
             assert not decode.hung and culprit(decode, prefill, None) is prefill
+        finally:
+            for closable in (decode, prefill, server):
+                closable.close()
+
+    asyncio.run(run())
+
+
+def test_a_decode_worker_whose_engine_died_is_left_out():
+    """The engine's loop died (an expert-parallel rank gone, say): it fails its open
+    requests with ``engine_down`` before its process exits, while the connection is still
+    open. The retry must leave that worker out, and no new request may go there."""
+
+    async def run():
+        step = messages.StepEvents([messages.Failed("r1", "the decode worker's engine failed")])
+        down = messages.StepEvents(
+            [messages.Failed("r2", "the decode worker's engine failed: rank 1 is gone", True)]
+        )
+        server, send, decode, prefill = await _connections([step, down])
+        try:
+            send.set()
+            for _ in range(200):
+                if not decode.alive:
+                    break
+                await asyncio.sleep(0.01)
+            assert not decode.alive
+            assert decode.error == "the decode worker's engine failed: rank 1 is gone"
+            assert culprit(decode, prefill, None) is decode
+        finally:
+            for closable in (decode, prefill, server):
+                closable.close()
+
+    asyncio.run(run())
+
+
+def test_a_plain_failed_event_keeps_the_worker():
+    async def run():
+        failed = messages.StepEvents([messages.Failed("r1", "the prefill worker went away")])
+        stats = WorkerStats("decode", 1, num_steps=3)
+        server, send, decode, prefill = await _connections([failed, stats])
+        try:
+            send.set()
+            for _ in range(200):
+                if decode.stats is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert decode.stats is not None and decode.alive
+            assert culprit(decode, prefill, None) is prefill
         finally:
             for closable in (decode, prefill, server):
                 closable.close()

@@ -208,9 +208,10 @@ class EngineCore:
         self.engine.close()
 
     def fail_open_requests(self, message: str) -> None:
-        """End every open request with ``message`` (the loop died: say why to the fronts)."""
+        """End every open request with ``message`` (the loop died: say why to the fronts,
+        and that the engine is down, so no front retries a request here)."""
         with contextlib.suppress(Exception):
-            self._send_events([Failed(rid, message) for rid in list(self._owners)])
+            self._send_events([Failed(rid, message, True) for rid in list(self._owners)])
 
     def stats(self) -> WorkerStats:
         stats = collect_stats(self.engine, self.num_steps)

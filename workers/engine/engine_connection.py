@@ -9,10 +9,11 @@ blocks return. The engine also pushes its ``WorkerStats`` here every stats
 period, which the front routes on.
 
 If the connection ends (the engine process or its replica died), every open
-stream ends with ``Failed`` and ``alive`` turns False. ``stalled`` says when the
-engine looks hung (its stats stopped coming, or its step count stopped moving
-while it holds requests); the front then routes around it and ``fail_open`` ends
-its streams (``cluster/worker_directory.py``).
+stream ends with ``Failed`` and ``alive`` turns False; so does a ``Failed`` that says
+the engine is down (its loop died and it is exiting: no retry may land there).
+``stalled`` says when the engine looks hung (its stats stopped coming, or its step
+count stopped moving while it holds requests); the front then routes around it and
+``fail_open`` ends its streams (``cluster/worker_directory.py``).
 """
 
 from __future__ import annotations
@@ -237,6 +238,8 @@ class EngineConnection:
 
     def _dispatch(self, events: list[Event]) -> None:
         for event in events:
+            if isinstance(event, Failed) and event.engine_down and self.error is None:
+                self.error = event.message  # no new request goes there (nor a retry)
             stream = self._streams.get(event.request_id)
             if stream is not None:  # else the caller left; its abort is on the way
                 stream.put_from_engine(event)

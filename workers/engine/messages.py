@@ -14,7 +14,8 @@ Events, out of a worker, each for one request:
     ``Delta``         what one step added to a request (tokens, text, logprobs, finish)
     ``Rejected``      invalid request (the ingress answers 400), nothing was computed
     ``Overloaded``    the worker holds its limit of requests: try another, or answer 503
-    ``Failed``        the request cannot go on (a failed hand-off, a dead engine)
+    ``Failed``        the request cannot go on (a failed hand-off; ``engine_down``: the
+                      engine's loop died, and the worker takes no more requests)
 Load: ``WorkerStats``, every stats period, to the replica and to every connection.
 
 An engine step sends one ``StepEvents`` per connection with all of that
@@ -181,6 +182,7 @@ class Overloaded:
 class Failed:
     request_id: str
     message: str
+    engine_down: bool = False  # the engine failed: nothing more runs there (retry elsewhere)
 
 
 Event = Routed | TicketIssued | Delta | Rejected | Overloaded | Failed
