@@ -302,7 +302,8 @@ class OpenAIIngress:
                     logger.warning("request %s: %s; retrying", request_id, e)
                 except (PoolOverloaded, NoWorker) as e:
                     outcome = "error"
-                    message = f"the {routes[-1]} route is overloaded: {e}"
+                    state = "is overloaded" if isinstance(e, PoolOverloaded) else "has no worker"
+                    message = f"the {routes[-1]} route {state}: {e}"
                     raise overloaded(_with_cause(message, first_failure)) from e
                 except OpenAIError:
                     outcome = "error"
