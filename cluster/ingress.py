@@ -8,8 +8,10 @@ frame per engine step. One request's path (``cluster.routing`` picks the route):
 - local: one ``GenerateCall`` to a mixed or decode worker's engine.
 - disaggregated: a ``GenerateCall(remote=True)`` to a decode worker, which
   reserves blocks and answers with a KV ticket (or decides to compute a
-  prefix-cache hit itself); then the call with the ticket to a prefill worker,
-  which streams the KV to the decode worker and ends once it is acked. The prefill
+  prefix-cache hit itself, and the prefill call is aborted); at the same time
+  (``router.prefill_before_ticket``; else once the ticket is in) the call to a
+  prefill worker, which computes the prompt, gets the ticket in a ``LateTicket``,
+  streams the KV to the decode worker and ends once it is acked. The prefill
   worker's first token is streamed as soon as it is sampled (the decode worker's copy
   of it, once the KV is in, is left out). If the prefill fails, the decode side's
   stream ends with the cause (its blocks are freed).
@@ -104,6 +106,8 @@ class OpenAIIngress:
             self.tokenizer, self.vocab_size, self.max_model_len, names, self.config.engine.limits
         )
         self.pools = {"prefill": prefill, "decode": decode, "mixed": mixed}
+        ep = self.config.engine.parallel.expert_parallel_size
+        self._prefill_before_ticket = self.config.router.prefill_before_ticket and ep == 1
         self.metrics = ServingMetrics()
         context = serve.get_replica_context()
         self.replica_id = f"{INGRESS}-{context.replica_id.unique_id}"
@@ -357,15 +361,42 @@ class OpenAIIngress:
         finally:
             await stream.aclose()  # not finished: aborts it on the engine
 
+    def _reserves_at_once(self, decode, call: GenerateCall) -> bool:
+        stats = decode.stats
+        return stats is not None and routing.reserves_at_once(
+            stats.num_free_blocks,
+            len(call.prompt_token_ids),
+            decode.sent_tokens_since_stats,
+            self.config.engine.cache.block_size,
+        )
+
     async def _disaggregated(self, call: GenerateCall, routes: list[str], failed, busy):
+        """The decode worker reserves blocks and answers with a ticket; the prefill worker
+        computes the prompt and sends its KV there. With ``prefill_before_ticket``, when
+        the decode worker has the blocks free, the prompt goes to the prefill worker at
+        once and the ticket follows it (its first token is held until the decode
+        worker's route is known)."""
         decode = await self.workers.acquire("decode", exclude=failed | busy)
         ratio = self.config.router.local_prefix_hit_ratio
         stream = decode.generate(dataclasses.replace(call, remote=True, local_prefix_ratio=ratio))
-        prefill, prefill_task = None, None
+        prefill, prefill_task, routed = None, None, asyncio.Event()
+        if self._prefill_before_ticket and self._reserves_at_once(decode, call):
+            prefill = await self.workers.acquire("prefill", exclude=failed)
+            prefill_call = dataclasses.replace(call, ticket_follows=True)
+            prefill_task = asyncio.ensure_future(
+                watch_prefill(prefill, prefill_call, decode, call.request_id, routed)
+            )
         try:
             async for event in guard(stream, decode.name):
                 if isinstance(event, Routed):
                     routes.append(event.route)
+                    if event.route == routing.DISAGGREGATED:
+                        routed.set()
+                    elif prefill_task is not None:  # computed where it decodes
+                        prefill_task.cancel()  # aborts it on the prefill worker
+                        prefill, prefill_task = None, None
+                elif isinstance(event, TicketIssued) and prefill_task is not None:
+                    prefill.send_ticket(call.request_id, event.ticket)
                 elif isinstance(event, TicketIssued):
                     prefill = await self.workers.acquire("prefill", exclude=failed)
                     prefill_call = dataclasses.replace(call, kv_ticket=event.ticket)

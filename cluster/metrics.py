@@ -56,6 +56,10 @@ _REPLICA_GAUGES = {
 }
 _POOL_COUNTERS = {
     "splitserve_kv_transfers": ("kv_transfers", "KV hand-offs acked by a decode worker"),
+    "splitserve_kv_late_tickets": (
+        "kv_late_tickets",
+        "Prompts a prefill worker got before their KV ticket, then the ticket",
+    ),
     "splitserve_kv_transfer_bytes": ("kv_transfer_bytes", "Bytes of KV handed off"),
     "splitserve_kv_transfer_seconds": (
         "kv_transfer_seconds",

@@ -43,8 +43,19 @@ class RouterConfig:
     # Past this many prompt tokens queued on every prefill worker, a long prompt is
     # computed by a decode worker with less queued (``local_backlog``); None: never.
     prefill_backlog_tokens: int | None = 32768
+    # Send a disaggregated prompt to its prefill worker while the decode worker reserves
+    # its blocks (the KV goes out once the ticket follows), not after: the reservation's
+    # round trip leaves the TTFT. Only when the decode worker has the blocks free
+    # (``reserves_at_once``); off for expert-parallel workers (a group places the prompt
+    # by its ticket).
+    prefill_before_ticket: bool = True
 
     def check(self) -> None:
+        if not isinstance(self.prefill_before_ticket, bool):
+            raise ValueError(
+                f"invalid router.prefill_before_ticket={self.prefill_before_ticket!r}: "
+                "must be true or false"
+            )
         if self.local_prompt_tokens < 0:
             raise ValueError(
                 f"invalid router.local_prompt_tokens={self.local_prompt_tokens}: must be >= 0"
@@ -112,6 +123,18 @@ def choose_route(
     if threshold is not None and prefill_backlog >= threshold and decode_backlog < prefill_backlog:
         return LOCAL_BACKLOG
     return DISAGGREGATED
+
+
+def reserves_at_once(
+    num_free_blocks: int, num_prompt_tokens: int, pending_tokens: int, block_size: int
+) -> bool:
+    """Whether a decode worker's free blocks (its last report) hold this prompt and the
+    prompt tokens sent to it since: its ticket should come at once, so a prefill worker
+    may compute the prompt before the ticket (``prefill_before_ticket``). Not when blocks
+    are short: prompts computed ahead would hold the prefill worker's blocks while the
+    tickets that free the decode worker's wait for them."""
+    needed = -(-(num_prompt_tokens + pending_tokens) // block_size)
+    return num_free_blocks >= needed
 
 
 def keeps_prefix_hit_local(num_cached_tokens: int, num_prompt_tokens: int, ratio: float) -> bool:

@@ -34,18 +34,26 @@ class WorkerBusy(Exception):
 
 
 async def watch_prefill(
-    prefill: EngineConnection, call: GenerateCall, decode: EngineConnection, rid: str
+    prefill: EngineConnection,
+    call: GenerateCall,
+    decode: EngineConnection,
+    rid: str,
+    routed: asyncio.Event | None = None,
 ) -> str | None:
     """Run the prefill side of a disaggregated request: it ends once the decode worker
     has the KV. Its first token goes into the decode side's stream as soon as it is
-    sampled, so the client has it while the KV is still moving. If it fails, the decode
-    side's stream ends with the cause (its leaving aborts the request there, so its
-    blocks return); returns the error."""
+    sampled, so the client has it while the KV is still moving; ``routed`` (a prompt
+    sent before the decode worker's ticket): not before the decode worker has said it
+    does not compute the prompt itself. If it fails, the decode side's stream ends with
+    the cause (its leaving aborts the request there, so its blocks return); returns the
+    error."""
     last: Event | None = None
     try:
         async for events in prefill.generate(call):
             for event in events:  # its first token, before the KV is on the decode worker
                 if isinstance(event, Delta) and event.token_ids and not event.finished:
+                    if routed is not None:
+                        await routed.wait()
                     decode.give_first(rid, event)
             last = events[-1]
         error = _error_of(last) if last is not None else "the prefill ended without a result"

@@ -10,6 +10,8 @@ Disaggregated (the KV of the prompt moves from a prefill to a decode worker)::
 
     prefill worker: WAITING -> RUNNING -> SENDING_KV (first token sampled, blocks held
                     until the decode worker acks) -> FINISHED_TRANSFERRED
+                    (``ticket_follows``: computed before its ticket came; it waits in
+                    SENDING_KV for the ticket too, then its KV goes out at once)
     decode worker:  WAITING_FOR_KV (blocks reserved, ticket issued) -> RUNNING (KV and
                     first token arrived) -> FINISHED_*
 
@@ -79,6 +81,7 @@ class Request:
     num_accepted_tokens: int = 0  # of those, accepted
     stop_reason: int | str | None = None
     kv_ticket: Any = None  # prefill side: the TransferTicket the prompt's KV goes to
+    ticket_follows: bool = False  # prefill side: computed before its ticket came (not yet)
     error: str | None = None  # why a FINISHED_ERROR request failed
     # Filled by the output processor: detokenizer state, text, logprobs.
     output: Any = None
@@ -120,6 +123,12 @@ class Request:
             first = max(start, self.num_tokens) - self.num_tokens
             ids = ids + self.spec_token_ids[first : end - self.num_tokens]
         return ids
+
+    @property
+    def sends_kv(self) -> bool:
+        """Prefill side: the prompt's KV goes to a decode worker (its ticket is here, or
+        follows)."""
+        return self.kv_ticket is not None or self.ticket_follows
 
     @property
     def is_finished(self) -> bool:

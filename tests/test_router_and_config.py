@@ -154,3 +154,18 @@ def test_metrics_sum_every_ingress_replica():
     assert 'splitserve_time_to_first_token_seconds_count{route="local_short"} 1.0' in text
     assert 'splitserve_pool_replicas{pool="decode"} 1.0' in text
     assert 'pool="ingress"' not in text
+
+
+def test_a_prompt_goes_before_its_ticket_only_where_the_blocks_are_free():
+    # 64 prompt tokens in blocks of 16 need 4 blocks; 32 tokens sent since the report, 2 more
+    assert routing.reserves_at_once(4, 64, 0, 16)
+    assert not routing.reserves_at_once(3, 64, 0, 16)
+    assert not routing.reserves_at_once(5, 64, 32, 16)
+    assert routing.reserves_at_once(6, 64, 32, 16)
+    assert routing.reserves_at_once(1, 1, 0, 16)  # a part block takes a whole one
+
+
+def test_prefill_before_ticket_is_a_router_switch():
+    assert RouterConfig().prefill_before_ticket
+    with pytest.raises(ValueError, match="prefill_before_ticket"):
+        RouterConfig(prefill_before_ticket="yes").check()

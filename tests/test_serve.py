@@ -82,6 +82,9 @@ def test_greedy_completions_match_the_offline_engine(server, offline):
     assert m['splitserve_requests_total{outcome="ok",route="local_prefix_hit"}'] == 1
     assert m['splitserve_requests_total{outcome="ok",route="local_short"}'] == 2
     assert m['splitserve_kv_transfers_total{pool="prefill"}'] == 1
+    # The prompt went to the prefill worker with the reservation, its ticket after it
+    # (the prefix hit's prompt too, aborted there once the decode worker kept it).
+    assert m['splitserve_kv_late_tickets_total{pool="prefill"}'] == 1
     assert m['splitserve_kv_transfer_bytes_total{pool="prefill"}'] > 0
     # Each route's TTFT splits into the computing engine's queue and prefill time (the
     # prefill worker's, when disaggregated) and the serving path's share.

@@ -9,11 +9,11 @@ FD``) and keeps one duplex socket of msgpack frames (``messages.py``) to it, for
                         Rendezvous (NCCL, prefill side), EngineDied (the loop raised)
 
 Requests do not pass through the replica: fronts (ingress replicas) connect to the
-engine's ``FrontListener`` and send ``GenerateCall`` / ``Abort`` there; each engine
-step sends every front one ``StepEvents`` with its requests' events, and every
-front gets ``WorkerStats`` too. A front may abort only its own requests; when its
-connection closes, its requests are aborted. Beyond ``max_requests`` open requests
-a call is answered ``Overloaded``.
+engine's ``FrontListener`` and send ``GenerateCall`` / ``LateTicket`` / ``Abort``
+there; each engine step sends every front one ``StepEvents`` with its requests'
+events, and every front gets ``WorkerStats`` too. A front may abort (or give a
+ticket to) only its own requests; when its connection closes, its requests are
+aborted. Beyond ``max_requests`` open requests a call is answered ``Overloaded``.
 
 Draining (the replica is leaving): after ``Drain`` the stats say ``draining``, so
 fronts stop choosing this engine, and a call that still comes is answered
@@ -54,6 +54,7 @@ from splitserve.workers.engine.messages import (
     Event,
     Failed,
     GenerateCall,
+    LateTicket,
     Overloaded,
     Rejected,
     Routed,
@@ -283,6 +284,10 @@ class EngineCore:
             elif isinstance(command, Abort):
                 if self._owners.get(command.request_id) is front:  # its own requests only
                     self._abort(command.request_id)
+            elif isinstance(command, LateTicket):
+                if self._owners.get(command.request_id) is front:
+                    outputs = self.engine.give_ticket(command.request_id, command.kv_ticket)
+                    self._send_events([_event_of(o) for o in outputs])
             elif isinstance(command, FrontOpened):
                 self._fronts.add(front)
                 front.send(self.stats())
@@ -315,7 +320,13 @@ class EngineCore:
         engine, rid, ids = self.engine, call.request_id, call.prompt_token_ids
         try:
             if not call.remote:
-                engine.add_request(rid, ids, call.params, kv_ticket=call.kv_ticket)
+                engine.add_request(
+                    rid,
+                    ids,
+                    call.params,
+                    kv_ticket=call.kv_ticket,
+                    ticket_follows=call.ticket_follows,
+                )
                 return []
             cached = engine.num_cached_prefix_tokens(ids)
             ratio = call.local_prefix_ratio
@@ -386,6 +397,7 @@ def _engine_stats(engine: LLMEngine, num_steps: int) -> WorkerStats:
         kv_usage=bm.usage,
         num_preemptions=engine.num_preemptions,
         kv_transfers=transport.num_sent if transport else 0,
+        kv_late_tickets=engine.num_late_tickets,
         kv_transfer_bytes=transport.bytes_sent if transport else 0,
         kv_transfer_seconds=transport.seconds_sending if transport else 0.0,
         num_steps=num_steps,

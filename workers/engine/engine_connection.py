@@ -33,6 +33,7 @@ from splitserve.workers.engine.messages import (
     Failed,
     GenerateCall,
     Hello,
+    LateTicket,
     StepEvents,
     WorkerStats,
     is_last,
@@ -176,6 +177,12 @@ class EngineConnection:
     def abort(self, request_id: str) -> None:
         if self.alive:
             self._send(Abort(request_id))
+
+    def send_ticket(self, request_id: str, kv_ticket: bytes) -> None:
+        """A prefill worker's request sent with ``ticket_follows``: its decode worker's
+        ticket (the engine sends the prompt's KV there)."""
+        if self.alive:
+            self._send(LateTicket(request_id, kv_ticket))
 
     def give_first(self, request_id: str, delta: Delta) -> None:
         """A disaggregated request's first token from its prefill worker, ahead of this

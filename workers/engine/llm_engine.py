@@ -11,6 +11,9 @@ Roles change what the loop admits, never the loop:
   prompt streams each layer's KV to the ticket's decode worker as the layer is
   stored, then sends the first token; the request keeps its blocks until the
   decode worker acks, and its last output has finish reason "transferred".
+  ``add_request(..., ticket_follows=True)`` computes the prompt before the ticket
+  exists; ``give_ticket`` brings it later, and the KV goes out once both the
+  ticket and the first token are in.
 - ``decode``: ``add_remote_request`` reserves blocks (an output carries the
   packed ticket), the KV and first token arrive over the transport, and the
   request decodes from there. Short prompts may still be added locally.
@@ -189,6 +192,7 @@ class LLMEngine:
         )
         self.last_step = StepStats()
         self.num_preemptions = 0
+        self.num_late_tickets = 0  # tickets given after their prompt (give_ticket)
         self.handoff: KVHandoff | None = None  # prefill and decode workers: the KV hand-off
         if self.role != "mixed":
             kt = config.kv_transfer
@@ -245,26 +249,69 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         kv_ticket: TransferTicket | bytes | None = None,
+        ticket_follows: bool = False,
     ) -> Request:
         """Validate and queue one request; raise InvalidRequestError naming the problem.
 
         With ``kv_ticket`` (a prefill worker) the prompt's KV goes to the ticket's
-        decode worker and the request ends once that worker has it.
+        decode worker and the request ends once that worker has it. With
+        ``ticket_follows`` instead (a prefill worker, not expert-parallel) the prompt
+        is computed at once and its ticket comes later (``give_ticket``).
         """
         request, text = self._new_request(request_id, prompt, params)
-        if kv_ticket is not None:
+        if ticket_follows:
+            self._check_ticket_follows(kv_ticket)
+            request.ticket_follows = True
+        elif kv_ticket is not None:
             if self.handoff is None:
                 raise InvalidRequestError(f"a {self.role} worker has no KV transport to send with")
             request.kv_ticket = self.handoff.scheduler.check_ticket(kv_ticket, request)
         elif self.role == "prefill":
             raise InvalidRequestError(
-                "a prefill worker serves only requests with a KV ticket from a decode worker"
+                "a prefill worker serves only requests with a KV ticket from a decode worker "
+                "(or with ticket_follows, the ticket given later)"
             )
         if self._placed_elsewhere(request, prompt, params, kv_ticket=request.kv_ticket):
             return request  # another rank of the group computes it (and sends its KV)
         add = self.handoff.scheduler.admit if kv_ticket is not None else self.scheduler.add_request
         self._queue(request, text, add)
         return request
+
+    def _check_ticket_follows(self, kv_ticket) -> None:
+        if self.role != "prefill" or self.handoff is None:
+            raise InvalidRequestError(
+                f"ticket_follows is for a prefill worker's requests; this is a {self.role} worker"
+            )
+        if kv_ticket is not None:
+            raise InvalidRequestError(
+                "a request with both a kv_ticket and ticket_follows: give the ticket with the "
+                "prompt or after it (give_ticket), not both"
+            )
+        if self.ep_front is not None or self.runner.lockstep is not None:
+            raise InvalidRequestError(
+                "an expert-parallel prefill worker needs the KV ticket with the prompt "
+                "(ticket_follows is not supported there)"
+            )
+
+    def give_ticket(self, request_id: str, kv_ticket: bytes) -> list[RequestOutput]:
+        """Prefill side: the decode worker's ticket for a request added with
+        ``ticket_follows``. [] when the request is gone (aborted or failed meanwhile) or
+        has its ticket; an invalid ticket fails that request alone (its output says why).
+
+        A request not scheduled yet whose decode worker is connected takes the ticket as
+        if it had come with the prompt; any other sends its KV, all layers at once, once
+        its first token is in too (at once if it is)."""
+        request = self.scheduler.get_request(request_id)
+        if request is None or not request.ticket_follows:
+            return []
+        try:
+            ticket = self.handoff.scheduler.check_ticket(kv_ticket, request)
+        except InvalidRequestError as e:
+            return [self._fail(request, str(e))]
+        self.num_late_tickets += 1
+        if not self.handoff.scheduler.attach(request, ticket):
+            self.handoff.worker.give_ticket(request, ticket)
+        return self._send_late()
 
     def add_remote_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
@@ -316,7 +363,7 @@ class LLMEngine:
         if self.ep_front is not None and self.ep_front.abort(request_id):
             return True
         if self.handoff is not None:  # before its blocks can be reused
-            self.handoff.scheduler.cancel(request_id)
+            self.handoff.cancel(request_id)
         aborted = self.scheduler.abort_request(request_id)
         self.sampler.release(request_id)
         self._hold_drafts(self._pending_drafts)  # none of them for a request that ended
@@ -442,6 +489,7 @@ class LLMEngine:
         lockstep = self.runner.lockstep is not None  # every call is one step of the group
         outputs = self._handle_transfers()
         self._send_deferred_drafts()  # before this step's forward reuses their inputs
+        outputs += self._send_late()  # late tickets' KV, once their first token is in
         if any(o.new_token_ids or o.kv_ticket for o in outputs) and not lockstep:
             # First tokens that arrived, and tickets (a prefill worker starts on each), go
             # out now, not after a forward.
@@ -462,6 +510,7 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             outputs += self._read_back(launched)
             self._in_flight = None
+        outputs += self._send_late()  # first tokens read back whose ticket is in
         if launched is not None:
             self.last_step = StepStats(
                 launched.num_prefill_tokens,
@@ -553,11 +602,12 @@ class LLMEngine:
     def _on_sampled(self, request: Request, result, launched: LaunchedStep) -> RequestOutput | None:
         """A request's sampled tokens as its output (None: a prefill hands them on)."""
         toks, logprobs = result.sampled[request.request_id]
-        if request.kv_ticket is None:  # its drafts: at the next schedule (_resolve_drafts)
+        if not request.sends_kv:  # its drafts: at the next schedule (_resolve_drafts)
             return self._append_run(request, toks, logprobs)
         if request.request_id in launched.send_errors:
             return self._fail(request, launched.send_errors[request.request_id])
-        # prefill side: the first token (and drafts) follow the KV to the decode worker
+        # prefill side: the first token (and drafts) follow the KV to the decode worker (a
+        # late ticket's: kept until the ticket is in)
         if launched.speculative is not None and launched.speculative.deferred_drafts:
             self._awaiting_drafts.append((request, toks[0], logprobs[0]))  # next step's
         else:  # read back now: the "done" frame carries them (an expert group's prefill rank)
@@ -579,8 +629,7 @@ class LLMEngine:
         """End ``request`` with an error that its own sampling or output raised; the
         loop and the other requests go on, and its blocks return to the pool."""
         logger.error("request %s failed in the engine", request.request_id, exc_info=error)
-        if self.handoff is not None:
-            self.handoff.transport.cancel(request.request_id)
+        self._end_transfer(request.request_id)
         if not request.is_finished:
             self._finish(request, RequestStatus.FINISHED_ERROR)
         message = f"the engine could not process the request: {type(error).__name__}: {error}"
@@ -612,14 +661,26 @@ class LLMEngine:
         self.sampler.release(request.request_id)
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
-        if self.handoff is not None:
-            self.handoff.transport.cancel(request.request_id)
+        self._end_transfer(request.request_id)
         self._finish(request, RequestStatus.FINISHED_ERROR)
         output = self.output_processor.make_output(request)
         output.error = error
         return output
 
     # -- KV hand-off (``workers/kv/handoff.py``) -------------------------------
+
+    def _end_transfer(self, request_id: str) -> None:
+        """A failed request's transfer ends on both sides (a late ticket's decode worker
+        hears of it too, if the ticket came)."""
+        if self.handoff is not None:
+            self.handoff.transport.cancel(request_id, self.handoff.worker.drop_late(request_id))
+
+    def _send_late(self) -> list[RequestOutput]:
+        """Prefill side: the KV of late tickets whose first token is in; those whose decode
+        worker cannot be reached fail."""
+        if self.handoff is None:
+            return []
+        return [self._on_handoff(event) for event in self.handoff.worker.send_late()]
 
     def _handle_transfers(self) -> list[RequestOutput]:
         """Finished hand-offs, then tickets for remote requests that got blocks."""

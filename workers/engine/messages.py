@@ -5,7 +5,9 @@ Calls, into a worker's engine process (from an ingress over its own connection):
     ``Hello``         the first frame of a connection: the application's secret
     ``GenerateCall``  a request to compute here (local), to decode after a prefill
                       worker's hand-off (``remote``), or a prompt to compute and hand
-                      off (``kv_ticket``: a prefill worker)
+                      off (``kv_ticket``: a prefill worker; ``ticket_follows``: computed
+                      at once, the ticket comes later in a ``LateTicket``)
+    ``LateTicket``    the decode worker's ticket for a prompt sent with ``ticket_follows``
     ``Abort``         the caller left or failed: free the request's KV
     ``NcclJoinCall``  (through Ray) a prefill worker's NCCL rendezvous with a decode replica
 Events, out of a worker, each for one request:
@@ -57,6 +59,16 @@ class GenerateCall:
     remote: bool = False  # decode side of a disaggregated request: reserve, then receive
     local_prefix_ratio: float | None = None  # remote: compute here above this prefix hit
     kv_ticket: bytes | None = None  # prefill side: the decode worker's ticket
+    ticket_follows: bool = False  # prefill side: compute now, the ticket comes in a LateTicket
+
+
+@dataclass(frozen=True)
+class LateTicket:
+    """Front -> engine: the decode worker's ticket for a request sent with
+    ``ticket_follows``."""
+
+    request_id: str
+    kv_ticket: bytes
 
 
 @dataclass(frozen=True)
@@ -219,6 +231,7 @@ class WorkerStats:
     kv_usage: float = 0.0
     num_preemptions: int = 0
     kv_transfers: int = 0  # finished sends
+    kv_late_tickets: int = 0  # prefill side: prompts sent before their ticket, tickets in
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     num_steps: int = 0  # engine steps so far (progress, for a watchdog)
@@ -262,6 +275,7 @@ _TYPES: list[type] = [
     SamplingParams,
     TokenLogprobs,
     FirstTokenTimes,
+    LateTicket,
 ]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 

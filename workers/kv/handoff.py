@@ -24,6 +24,16 @@ front can stream it before the KV is in; ``LLMEngine._first_token_ahead``).
 Either half ``cancel``s a request's transfer (abort, failure); the transport
 tells the other side.
 
+**Late tickets** (a prompt sent with ``ticket_follows``, at the same time as its
+decode worker is asked for blocks): the prefill worker computes the prompt at once,
+without a ticket, and holds it as any sent prompt once its first token is sampled;
+``finish_send`` keeps that "done" (``LateSend``). The ticket comes later
+(``LLMEngine.give_ticket``): to a request not scheduled yet whose decode worker is
+connected it is given as if it had come with the prompt (``attach``: layer-by-layer
+sends); else it waits beside the "done", and once both are in ``send_late`` sends
+every layer at once (the MTP layer's too), then the "done". From there the ack or a
+failure ends it as any other. An abort or a failure forgets it (``drop_late``).
+
 An FP8 cache's pages travel as they are, and the sender's per-layer scales in the
 done message; the decode side takes them before the request decodes
 (``KVCache.receive_scales``: adopted where it has none, else the arrived rows are
@@ -101,7 +111,10 @@ class HandoffScheduler:
     def check_ticket(self, ticket: TransferTicket | bytes, request: Request) -> TransferTicket:
         """Prefill side: the ticket, unpacked; InvalidRequestError naming every mismatch."""
         if isinstance(ticket, bytes):
-            ticket = TransferTicket.unpack(ticket)
+            try:
+                ticket = TransferTicket.unpack(ticket)
+            except Exception as e:  # not a ticket: the caller's error, not the engine's
+                raise InvalidRequestError(f"invalid KV ticket: {type(e).__name__}: {e}") from e
         problems = []
         try:
             self.transport.layout.check_matches(ticket.layout)
@@ -127,6 +140,16 @@ class HandoffScheduler:
         if problems:
             raise InvalidRequestError("invalid KV ticket: " + "; ".join(problems))
         return ticket
+
+    def attach(self, request: Request, ticket: TransferTicket) -> bool:
+        """Prefill side, a checked late ticket: a request not scheduled yet takes it as if
+        it had come with the prompt, when its decode worker is connected; False: it goes
+        the late way (``HandoffWorker.give_ticket``)."""
+        unscheduled = request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
+        if not unscheduled or self.transport.connect(ticket) is not None:
+            return False
+        request.kv_ticket, request.ticket_follows = ticket, False
+        return True
 
     def admit(self, request: Request) -> None:
         """Prefill side: queue a request with a checked ticket, once the transport is
@@ -159,9 +182,10 @@ class HandoffScheduler:
 
     def hold(self, batch_sampling: list[Request]) -> None:
         """Prefill side: requests whose prompt the launched step finishes keep their blocks
-        (and leave the running set) until the decode worker acks."""
+        (and leave the running set) until the decode worker acks; those whose ticket
+        follows, until it came and their KV was sent and acked."""
         for request in batch_sampling:
-            if request.kv_ticket is not None:
+            if request.sends_kv:
                 self.scheduler.hold_for_transfer(request)
 
     def poll(self) -> list[HandoffEvent]:
@@ -197,10 +221,13 @@ class HandoffScheduler:
             return str(e)
         return None
 
-    def cancel(self, request_id: str) -> None:
-        """Before the request's blocks can be reused: end its transfer on both sides."""
+    def cancel(self, request_id: str, ticket: TransferTicket | None = None) -> None:
+        """Before the request's blocks can be reused: end its transfer on both sides
+        (``ticket``: a late request's, not attached to it)."""
         request = self.scheduler.get_request(request_id) or self._connecting.pop(request_id, None)
-        self.transport.cancel(request_id, request.kv_ticket if request else None)
+        if ticket is None and request is not None:
+            ticket = request.kv_ticket
+        self.transport.cancel(request_id, ticket)
 
     def _connected(self) -> list[HandoffEvent]:
         states: dict[str, str | None] = {}  # receiver address -> its connection's state
@@ -228,10 +255,25 @@ class StepSends:
     on_layer_stored: Callable[[int], None] | None = None
 
 
+@dataclass
+class LateSend:
+    """Prefill side, a request whose ticket follows: its ticket and its "done" as each
+    comes; its KV goes out once both are in."""
+
+    request: Request
+    ticket: TransferTicket | None = None
+    done: TransferDone | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.ticket is not None and self.done is not None
+
+
 class HandoffWorker:
     def __init__(self, transport: KVTransport, kv_cache: KVCache | None = None):
         self.transport = transport
         self.kv_cache = kv_cache  # an FP8 one's scales go with the first token
+        self._late: dict[str, LateSend] = {}  # by request id: not sent, ticket not attached
 
     def start_sends(self, batch: SchedulerOutput) -> StepSends:
         """Open the transfers of prompts this step finishes; each layer goes out once the
@@ -257,13 +299,71 @@ class HandoffWorker:
         drafts: list[int] | None = None,
     ) -> None:
         """After the step is read back: the first token (and the drafts after it) follow
-        the last layer."""
+        the last layer; a request whose ticket follows keeps them for ``send_late``."""
         lp, top = (logprobs.logprob, logprobs.top) if logprobs is not None else (None, [])
         rid = request.request_id
         scales = self.kv_cache.scales_to_wire() if self.kv_cache is not None else []
         times = first_token_times(request)
         done = TransferDone(rid, token, lp, top, list(drafts or []), scales, times)
-        self.transport.finish_send(rid, done)
+        if request.ticket_follows:
+            self._late_send(request).done = done
+        else:
+            self.transport.finish_send(rid, done)
+
+    def give_ticket(self, request: Request, ticket: TransferTicket) -> None:
+        """A late request's checked ticket, not attached: it goes out with ``send_late``
+        (the connection to its decode worker is made meanwhile)."""
+        self._late_send(request).ticket = ticket
+        self.transport.connect(ticket)
+
+    def send_late(self) -> list[HandoffFailed]:
+        """Late requests with their ticket and their "done": every layer, then the "done"
+        (the ack ends them as any other). Those whose decode worker is still connecting
+        wait; those whose decode worker cannot be reached fail."""
+        failed, states = [], {}  # receiver address -> its connection's state
+        for rid, late in list(self._late.items()):
+            if late.request.is_finished:  # ended where nothing dropped it
+                del self._late[rid]
+                continue
+            if not late.ready:
+                continue
+            address = late.ticket.address
+            if address not in states:
+                states[address] = self.transport.connect(late.ticket)
+            if states[address] == CONNECTING:
+                continue
+            del self._late[rid]
+            error = states[address] or self._send_all(late)
+            if error is not None:
+                failed.append(
+                    HandoffFailed(late.request, f"could not reach the decode worker: {error}")
+                )
+        return failed
+
+    def drop_late(self, request_id: str) -> TransferTicket | None:
+        """A late request ends before its KV went out (abort, failure): forget it; its
+        ticket if it came (the decode worker hears of the cancel)."""
+        late = self._late.pop(request_id, None)
+        return late.ticket if late is not None else None
+
+    def _late_send(self, request: Request) -> LateSend:
+        late = self._late.get(request.request_id)
+        if late is None or late.request is not request:  # a new request under an old id
+            late = self._late[request.request_id] = LateSend(request)
+        return late
+
+    def _send_all(self, late: LateSend) -> str | None:
+        """The whole transfer of a late request at once; why it could not start, or None."""
+        request, ticket, rid = late.request, late.ticket, late.request.request_id
+        try:
+            self.transport.start_send(ticket, request.block_ids)
+        except Exception as e:  # this request's decode worker: it alone fails
+            return str(e)
+        for layer_id in range(ticket.num_layers):
+            self.transport.send_layer(rid, layer_id)
+        self.transport.finish_send(rid, late.done)
+        request.kv_ticket, request.ticket_follows = ticket, False
+        return None
 
     def _layer_sender(self, request_ids: list[str]) -> Callable[[int], None]:
         send_layer = self.transport.send_layer
@@ -289,6 +389,11 @@ class KVHandoff:
         self.transport = transport
         self.scheduler = HandoffScheduler(transport, scheduler, num_layers, drafts, kv_cache)
         self.worker = HandoffWorker(transport, kv_cache)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort: end the request's transfer on both sides before its blocks are reused (a
+        late request is forgotten; its ticket, if it came, reaches its decode worker)."""
+        self.scheduler.cancel(request_id, self.worker.drop_late(request_id))
 
     def close(self) -> None:
         self.transport.close()

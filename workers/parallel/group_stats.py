@@ -26,6 +26,7 @@ SUMMED = (
     "num_blocks",
     "num_preemptions",
     "kv_transfers",
+    "kv_late_tickets",
     "kv_transfer_bytes",
     "kv_transfer_seconds",
     "spec_num_draft_tokens",
