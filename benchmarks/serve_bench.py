@@ -298,7 +298,9 @@ def workload_text(args) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", type=Path, nargs="+", default=[], help="serve configs, in turn")
+    p.add_argument(
+        "--config", type=Path, nargs="+", action="extend", default=[], help="serve configs, in turn"
+    )
     p.add_argument("--url", help="a running server (http://host:port) instead of starting one")
     p.add_argument("--model", help="passed to splitserve serve --model (and the engine baseline)")
     p.add_argument("--port", type=int, help="the started server's port (default: a free one)")

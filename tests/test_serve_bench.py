@@ -59,6 +59,11 @@ def test_the_engine_alone_times_first_tokens_back_to_back_and_after_idling(monke
     assert llm.engine.block_manager.num_free_blocks == free
 
 
+def test_configs_given_with_one_flag_or_several_are_all_run():
+    for argv in (["--config", "a.yaml", "b.yaml"], ["--config", "a.yaml", "--config", "b.yaml"]):
+        assert serve_bench.parse_args(argv).config == [Path("a.yaml"), Path("b.yaml")]
+
+
 def test_prompts_file_lines(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "hi"}\n\n{"prompt_token_ids": [3, 4], "max_tokens": 5}\n')
