@@ -373,15 +373,18 @@ class OpenAIIngress:
     async def _disaggregated(self, call: GenerateCall, routes: list[str], failed, busy):
         """The decode worker reserves blocks and answers with a ticket; the prefill worker
         computes the prompt and sends its KV there. With ``prefill_before_ticket``, when
-        the decode worker has the blocks free, the prompt goes to the prefill worker at
-        once and the ticket follows it (its first token is held until the decode
-        worker's route is known)."""
+        the decode worker has the blocks free and a prefill worker has room, the prompt
+        goes to the prefill worker at once and the ticket follows it (its first token is
+        held until the decode worker's route is known)."""
         decode = await self.workers.acquire("decode", exclude=failed | busy)
         ratio = self.config.router.local_prefix_hit_ratio
         stream = decode.generate(dataclasses.replace(call, remote=True, local_prefix_ratio=ratio))
         prefill, prefill_task, routed = None, None, asyncio.Event()
         if self._prefill_before_ticket and self._reserves_at_once(decode, call):
-            prefill = await self.workers.acquire("prefill", exclude=failed)
+            # Only a prefill worker free now: else the decode worker's reservation (what an
+            # autoscaled prefill pool at zero replicas grows on) goes first, as without it.
+            prefill = self.workers.available("prefill", exclude=failed)
+        if prefill is not None:
             prefill_call = dataclasses.replace(call, ticket_follows=True)
             prefill_task = asyncio.ensure_future(
                 watch_prefill(prefill, prefill_call, decode, call.request_id, routed)

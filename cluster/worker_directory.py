@@ -112,6 +112,13 @@ class WorkerDirectory:
             if waited:
                 self._waiting[pool] -= 1
 
+    def available(self, pool: str, exclude: Iterable[str] = ()) -> EngineConnection | None:
+        """What ``acquire`` would return now without waiting; None where it would wait (no
+        live engine, or none with room)."""
+        exclude = set(exclude)
+        ranked = (c for c in self.ranked(pool) if c.name not in exclude)
+        return next((c for c in ranked if self._has_room(pool, c)), None)
+
     def ranked(self, pool: str) -> list[EngineConnection]:
         """The pool's engines that may take a request, best first."""
         usable = [
