@@ -46,8 +46,8 @@ class RouterConfig:
     # Send a disaggregated prompt to its prefill worker while the decode worker reserves
     # its blocks (the KV goes out once the ticket follows), not after: the reservation's
     # round trip leaves the TTFT. Only when the decode worker has the blocks free
-    # (``reserves_at_once``); off for expert-parallel workers (a group places the prompt
-    # by its ticket).
+    # (``reserves_at_once``) and a prefill worker has room; off for expert-parallel
+    # workers (a group places the prompt by its ticket).
     prefill_before_ticket: bool = True
 
     def check(self) -> None:
