@@ -275,6 +275,28 @@ def test_an_abort_before_the_kv_went_out_frees_both_sides(pair, prompts, when):
     assert prefill.kv_transport.num_in_flight == 0 and decode.kv_transport.num_in_flight == 0
 
 
+def test_a_ticket_that_never_comes_fails_the_request_and_frees_its_blocks(pair, prompts):
+    """An ingress that neither sends the ticket nor aborts (the connection left open): past
+    ``kv_transfer.timeout_s`` after its first token the request fails and its blocks
+    return; a request whose ticket came goes on."""
+    prefill, decode = pair
+    free = _free(prefill, decode)
+    prefill.handoff.worker.ticket_timeout_s = 0.3
+    run = Late(prefill, decode)
+    run.add("lost", prompts[0])
+    run.add("r1", prompts[1])
+    run.step_prefill_until(lambda: len(run.first_ahead) == 2)
+    run.reserve("r1")
+    run.give("r1")
+    run.step_prefill_until(lambda: "lost" in run.ends, timeout=5.0)
+    out = run.ends["lost"]
+    assert out.outputs[0].finish_reason == "error"
+    assert "no KV ticket came within 0.3 s (kv_transfer.timeout_s)" in out.error
+    run.run()
+    assert run.ends["r1"].outputs[0].finish_reason == "transferred"
+    assert _free(prefill, decode) == free
+
+
 def test_an_invalid_late_ticket_fails_that_request_alone(pair, prompts, expected):
     prefill, decode = pair
     free = _free(prefill, decode)

@@ -202,7 +202,12 @@ class LLMEngine:
             )
             num_layers = self.hf_config.num_hidden_layers
             self.handoff = KVHandoff(
-                transport, self.scheduler, num_layers, num_spec > 0, self.kv_cache
+                transport,
+                self.scheduler,
+                num_layers,
+                num_spec > 0,
+                self.kv_cache,
+                ticket_timeout_s=config.kv_transfer.timeout_s,
             )
         self.async_scheduling = config.scheduler.async_scheduling
         if self.async_scheduling is None:

@@ -32,7 +32,8 @@ without a ticket, and holds it as any sent prompt once its first token is sample
 connected it is given as if it had come with the prompt (``attach``: layer-by-layer
 sends); else it waits beside the "done", and once both are in ``send_late`` sends
 every layer at once (the MTP layer's too), then the "done". From there the ack or a
-failure ends it as any other. An abort or a failure forgets it (``drop_late``).
+failure ends it as any other. An abort or a failure forgets it (``drop_late``); a
+ticket that has not come ``kv_transfer.timeout_s`` after the first token fails it.
 
 An FP8 cache's pages travel as they are, and the sender's per-layer scales in the
 done message; the decode side takes them before the request decodes
@@ -51,6 +52,7 @@ prompt's hidden states it would be recomputed from (``hidden_size``; GLM-4.5-Air
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -263,6 +265,7 @@ class LateSend:
     request: Request
     ticket: TransferTicket | None = None
     done: TransferDone | None = None
+    since: float = field(default_factory=time.monotonic)  # the first of the two came
 
     @property
     def ready(self) -> bool:
@@ -270,9 +273,17 @@ class LateSend:
 
 
 class HandoffWorker:
-    def __init__(self, transport: KVTransport, kv_cache: KVCache | None = None):
+    def __init__(
+        self,
+        transport: KVTransport,
+        kv_cache: KVCache | None = None,
+        ticket_timeout_s: float = 60.0,
+    ):
+        """``ticket_timeout_s``: a late request whose first token is in waits this long for
+        its ticket, then fails (its blocks return)."""
         self.transport = transport
         self.kv_cache = kv_cache  # an FP8 one's scales go with the first token
+        self.ticket_timeout_s = ticket_timeout_s
         self._late: dict[str, LateSend] = {}  # by request id: not sent, ticket not attached
 
     def start_sends(self, batch: SchedulerOutput) -> StepSends:
@@ -319,11 +330,18 @@ class HandoffWorker:
     def send_late(self) -> list[HandoffFailed]:
         """Late requests with their ticket and their "done": every layer, then the "done"
         (the ack ends them as any other). Those whose decode worker is still connecting
-        wait; those whose decode worker cannot be reached fail."""
+        wait; those whose decode worker cannot be reached fail, and so do those whose
+        ticket has not come within ``ticket_timeout_s``."""
         failed, states = [], {}  # receiver address -> its connection's state
+        now = time.monotonic()
         for rid, late in list(self._late.items()):
             if late.request.is_finished:  # ended where nothing dropped it
                 del self._late[rid]
+                continue
+            if late.ticket is None and now - late.since > self.ticket_timeout_s:
+                del self._late[rid]
+                wait = f"{self.ticket_timeout_s:g} s (kv_transfer.timeout_s)"
+                failed.append(HandoffFailed(late.request, f"no KV ticket came within {wait}"))
                 continue
             if not late.ready:
                 continue
@@ -385,10 +403,11 @@ class KVHandoff:
         num_layers: int,
         drafts: bool = False,
         kv_cache: KVCache | None = None,
+        ticket_timeout_s: float = 60.0,
     ):
         self.transport = transport
         self.scheduler = HandoffScheduler(transport, scheduler, num_layers, drafts, kv_cache)
-        self.worker = HandoffWorker(transport, kv_cache)
+        self.worker = HandoffWorker(transport, kv_cache, ticket_timeout_s)
 
     def cancel(self, request_id: str) -> None:
         """Abort: end the request's transfer on both sides before its blocks are reused (a
