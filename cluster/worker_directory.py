@@ -91,13 +91,12 @@ class WorkerDirectory:
         waited = False
         try:
             while True:
-                ranked = [c for c in self.ranked(pool) if c.name not in exclude]
-                if not ranked:
+                conn = self.available(pool, exclude)
+                if conn is not None:
+                    return conn
+                if not any(c.name not in exclude for c in self.ranked(pool)):
                     await self._wait_for_a_worker(pool, exclude)
                     continue
-                for conn in ranked:
-                    if self._has_room(pool, conn):
-                        return conn
                 if not waited:
                     if self._waiting[pool] >= self._pools[pool].max_queued_requests:
                         raise PoolOverloaded(

@@ -39,6 +39,14 @@ async def _connections(frames: list = ()):
     return server, send, decode, prefill
 
 
+async def _until(condition, timeout_s: float = 2.0) -> None:
+    """Wait for ``condition`` (the listener's frames reach the connection's reader task)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 def _finished(result) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
     future.set_result(result)
@@ -86,10 +94,7 @@ def test_a_hung_decode_worker_that_steps_again_is_kept_again():
             decode.fail_open("the decode worker d1 stalled")
             assert culprit(decode, prefill, None) is decode
             send.set()  # its steps move again
-            for _ in range(200):
-                if decode.stats is not None and decode.stats.num_steps == 6:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: decode.stats is not None and decode.stats.num_steps == 6)
             assert not decode.hung and culprit(decode, prefill, None) is prefill
         finally:
             for closable in (decode, prefill, server):
@@ -111,10 +116,7 @@ def test_a_decode_worker_whose_engine_died_is_left_out():
         server, send, decode, prefill = await _connections([step, down])
         try:
             send.set()
-            for _ in range(200):
-                if not decode.alive:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: not decode.alive)
             assert not decode.alive
             assert decode.error == "the decode worker's engine failed: rank 1 is gone"
             assert culprit(decode, prefill, None) is decode
@@ -132,10 +134,7 @@ def test_a_plain_failed_event_keeps_the_worker():
         server, send, decode, prefill = await _connections([failed, stats])
         try:
             send.set()
-            for _ in range(200):
-                if decode.stats is not None:
-                    break
-                await asyncio.sleep(0.01)
+            await _until(lambda: decode.stats is not None)
             assert decode.stats is not None and decode.alive
             assert culprit(decode, prefill, None) is prefill
         finally:

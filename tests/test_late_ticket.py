@@ -26,7 +26,7 @@ from splitserve.workers.engine.llm_engine import LLMEngine
 from splitserve.workers.engine.messages import Delta, GenerateCall, LateTicket, TicketIssued
 from splitserve.workers.kv.transfer.base import CONNECTING
 from splitserve.workers.kv.transfer.ticket import TransferTicket
-from tests import checkpoints
+from tests import checkpoints, test_disaggregation
 from tests.test_disaggregation import Handoff, _config, _slots_content
 from tests.test_engine import NEW_TOKENS, _hf_greedy, _prompts
 
@@ -50,22 +50,7 @@ def expected(checkpoint, prompts) -> dict[str, list[int]]:
     return {f"r{i}": toks for i, toks in enumerate(_hf_greedy(checkpoint, prompts))}
 
 
-@pytest.fixture(params=[False, True], ids=["sync", "async"])
-def pair(checkpoint, request):
-    overlap = request.param
-    prefill = LLMEngine(
-        _config(
-            checkpoint,
-            "prefill",
-            block_size=16,
-            max_num_batched_tokens=24,
-            async_scheduling=overlap,
-        )
-    )
-    decode = LLMEngine(_config(checkpoint, "decode", block_size=4, async_scheduling=overlap))
-    yield prefill, decode
-    prefill.close()
-    decode.close()
+pair = test_disaggregation.pair  # the same engines, async scheduling off and on
 
 
 class Late:

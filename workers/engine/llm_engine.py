@@ -634,7 +634,8 @@ class LLMEngine:
         """End ``request`` with an error that its own sampling or output raised; the
         loop and the other requests go on, and its blocks return to the pool."""
         logger.error("request %s failed in the engine", request.request_id, exc_info=error)
-        self._end_transfer(request.request_id)
+        if self.handoff is not None:  # both sides end its transfer
+            self.handoff.cancel(request.request_id)
         if not request.is_finished:
             self._finish(request, RequestStatus.FINISHED_ERROR)
         message = f"the engine could not process the request: {type(error).__name__}: {error}"
@@ -666,19 +667,14 @@ class LLMEngine:
         self.sampler.release(request.request_id)
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
-        self._end_transfer(request.request_id)
+        if self.handoff is not None:  # both sides end its transfer
+            self.handoff.cancel(request.request_id)
         self._finish(request, RequestStatus.FINISHED_ERROR)
         output = self.output_processor.make_output(request)
         output.error = error
         return output
 
     # -- KV hand-off (``workers/kv/handoff.py``) -------------------------------
-
-    def _end_transfer(self, request_id: str) -> None:
-        """A failed request's transfer ends on both sides (a late ticket's decode worker
-        hears of it too, if the ticket came)."""
-        if self.handoff is not None:
-            self.handoff.transport.cancel(request_id, self.handoff.worker.drop_late(request_id))
 
     def _send_late(self) -> list[RequestOutput]:
         """Prefill side: the KV of late tickets whose first token is in; those whose decode

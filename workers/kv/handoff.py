@@ -410,8 +410,9 @@ class KVHandoff:
         self.worker = HandoffWorker(transport, kv_cache, ticket_timeout_s)
 
     def cancel(self, request_id: str) -> None:
-        """Abort: end the request's transfer on both sides before its blocks are reused (a
-        late request is forgotten; its ticket, if it came, reaches its decode worker)."""
+        """Abort or failure: end the request's transfer on both sides before its blocks are
+        reused (a late request is forgotten; its ticket, if it came, reaches its decode
+        worker)."""
         self.scheduler.cancel(request_id, self.worker.drop_late(request_id))
 
     def close(self) -> None:
