@@ -124,6 +124,11 @@ class SchedulerConfig:
     # Schedule and prepare step i + 1 while the device computes step i (the host
     # reads step i's tokens after queueing step i + 1). None: on for CUDA devices.
     async_scheduling: bool | None = None
+    # A stream's new tokens go out every this many tokens (its first and its last at
+    # once): fewer, larger messages and SSE events per stream, less host time per token,
+    # at the cost of smoothness. 1: each token as it is sampled. Whole outputs
+    # (``LLM.generate``, non-streaming responses) are the same either way.
+    stream_interval: int = 1
 
     def check(self) -> None:
         if self.max_num_seqs < 1:
@@ -138,6 +143,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"invalid async_scheduling={self.async_scheduling!r}: must be true, false or "
                 "null (on for CUDA devices)"
+            )
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(
+                f"invalid stream_interval={self.stream_interval!r}: must be an integer >= 1 "
+                "(1: each token as it is sampled)"
             )
 
 

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from splitserve.config import EngineConfig
+from splitserve.llm import LLM
 from splitserve.sampling_params import SamplingParams
 from splitserve.workers.engine import messages
 from splitserve.workers.engine.engine_client import EngineClient, EngineStartError
@@ -90,6 +91,34 @@ def test_served_tokens_equal_the_engine_in_process(client):
         assert tokens == offline[f"r{i}"]
         assert 1 <= items <= GREEDY.max_tokens  # a list per item, never more than a step's
     assert client.alive
+
+
+def test_a_stream_interval_sends_a_streams_tokens_in_runs():
+    config = {**CONFIG, "scheduler": {**CONFIG["scheduler"], "stream_interval": 4}}
+    client = EngineClient(EngineConfig.from_dict(config), secret=SECRET)
+
+    async def run():
+        front = await _front(client)
+        calls = [GenerateCall(f"s{i}", [3 + i, 5, 8, 13], GREEDY) for i in range(3)]
+        runs = await asyncio.gather(*[_token_runs(front, c) for c in calls])
+        front.close()
+        return runs
+
+    try:
+        served = asyncio.run(run())
+    finally:
+        client.shutdown()
+    offline = LLM(**CONFIG).generate([[3 + i, 5, 8, 13] for i in range(3)], GREEDY)
+    for runs, out in zip(served, offline):
+        assert [len(r) for r in runs] == [1, 4, 4, 3]  # 12 tokens: the first at once
+        assert sum(runs, []) == out.outputs[0].token_ids
+
+
+async def _token_runs(front: EngineConnection, call: GenerateCall) -> list[list[int]]:
+    runs = []
+    async for events in front.generate(call):
+        runs += [e.token_ids for e in events if isinstance(e, Delta) and e.token_ids]
+    return runs
 
 
 def test_an_invalid_request_is_rejected_and_the_engine_goes_on(client):

@@ -170,6 +170,45 @@ def test_delta_outputs_carry_only_what_is_new(llm):
     assert [lp.token_id for lp in logprobs] == [lp.token_id for lp in last.outputs[0].logprobs]
 
 
+@pytest.mark.parametrize("max_tokens", [1, 7, 8, 9])
+def test_a_stream_interval_batches_a_streams_tokens_and_loses_none(max_tokens):
+    from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.workers.engine.llm_engine import LLMEngine
+
+    def engine(interval: int, delta: bool) -> LLMEngine:
+        scheduler = SchedulerConfig(max_model_len=64, stream_interval=interval)
+        cache = CacheConfig(num_kv_blocks=64)
+        return LLMEngine(EngineConfig(device="cpu", cache=cache, scheduler=scheduler), delta)
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+    whole, stream = engine(3, delta=False), engine(3, delta=True)
+    sizes, tokens, text, logprobs, final = [], [], "", [], None
+    for e in (whole, stream):
+        e.add_request("s", [5, 6, 7, 8], params)
+    while stream.has_unfinished_requests():
+        for out in stream.step():
+            sizes.append(len(out.new_token_ids))
+            tokens, text = tokens + out.new_token_ids, text + out.new_text
+            logprobs += out.outputs[0].logprobs
+    while whole.has_unfinished_requests():
+        outs = whole.step()
+        assert [len(o.outputs[0].token_ids) for o in outs] == [len(outs[0].outputs[0].token_ids)]
+        final = outs[0].outputs[0]  # whole outputs: every step, the interval aside
+    # the first token at once, then three at a time, the last at once
+    rest = max_tokens - 1
+    assert sizes == [1] + [3] * (rest // 3) + ([rest % 3] if rest % 3 else [])
+    assert tokens == final.token_ids and text == final.text
+    assert [lp.token_id for lp in logprobs] == final.token_ids
+
+
+def test_a_stream_interval_below_one_is_named():
+    from splitserve.config import SchedulerConfig
+
+    for bad in (0, -2, 1.5, "4"):
+        with pytest.raises(ValueError, match="invalid stream_interval=.*must be an integer >= 1"):
+            SchedulerConfig(stream_interval=bad).check()
+
+
 def test_the_first_token_says_how_long_it_queued_and_prefilled():
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from splitserve.workers.engine.llm_engine import LLMEngine

@@ -188,7 +188,10 @@ class LLMEngine:
             lockstep,
         )
         self.output_processor = OutputProcessor(
-            self.tokenizer, self.max_model_len, delta=delta_outputs
+            self.tokenizer,
+            self.max_model_len,
+            delta=delta_outputs,
+            stream_interval=config.scheduler.stream_interval,
         )
         self.last_step = StepStats()
         self.num_preemptions = 0
@@ -608,7 +611,9 @@ class LLMEngine:
         """A request's sampled tokens as its output (None: a prefill hands them on)."""
         toks, logprobs = result.sampled[request.request_id]
         if not request.sends_kv:  # its drafts: at the next schedule (_resolve_drafts)
-            return self._append_run(request, toks, logprobs)
+            self._record_run(request, toks, logprobs)
+            due = self.output_processor.due(request)  # a stream's: every stream_interval
+            return self.output_processor.make_output(request) if due else None
         if request.request_id in launched.send_errors:
             return self._fail(request, launched.send_errors[request.request_id])
         # prefill side: the first token (and drafts) follow the KV to the decode worker (a
@@ -643,9 +648,9 @@ class LLMEngine:
         out = CompletionOutput(0, "", [], "error", None, None)
         return RequestOutput(request.request_id, None, [], [out], True, error=message)
 
-    def _append_run(
+    def _record_run(
         self, request: Request, tokens: list[int], logprobs: list[TokenLogprobs | None]
-    ) -> RequestOutput:
+    ) -> None:
         """Record tokens the scheduler already appended, one at a time: the first one that
         stops the request drops those after it (a verify step's run may overshoot)."""
         first = len(request.output_token_ids) - len(tokens)
@@ -655,12 +660,12 @@ class LLMEngine:
                 del request.output_token_ids[first + j + 1 :]
                 self._finish(request, status)
                 break
-        return self.output_processor.make_output(request)
 
     def _append(
         self, request: Request, token: int, logprobs: TokenLogprobs | None
     ) -> RequestOutput:
-        return self._append_run(request, [token], [logprobs])
+        self._record_run(request, [token], [logprobs])
+        return self.output_processor.make_output(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish_request(request, status)

@@ -34,10 +34,13 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, max_model_len: int, delta: bool = False):
+    def __init__(
+        self, tokenizer, max_model_len: int, delta: bool = False, stream_interval: int = 1
+    ):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.delta = delta  # outputs carry only what is new (see make_output)
+        self.stream_interval = stream_interval  # delta outputs: tokens a stream's output holds
 
     def start(self, request: Request, prompt: str | None) -> None:
         request.output = RequestState(
@@ -80,6 +83,14 @@ class OutputProcessor:
             state.text += state.detokenizer.flush()
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def due(self, request: Request) -> bool:
+        """Whether the request's output goes out this step: always for whole outputs; a
+        delta output with its first token, its last, or ``stream_interval`` new tokens."""
+        if not self.delta or self.stream_interval == 1 or request.is_finished:
+            return True
+        sent = request.output.sent_token_len
+        return sent == 0 or len(request.output_token_ids) - sent >= self.stream_interval
 
     def make_output(self, request: Request) -> RequestOutput:
         """The request's output so far; with ``delta`` only what is new since the last one.
