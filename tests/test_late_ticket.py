@@ -207,7 +207,8 @@ def test_a_ticket_given_before_the_first_step_sends_layer_by_layer(pair, prompts
 
 def test_a_ticket_that_comes_mid_prefill_waits_for_the_first_token(pair, prompts, expected):
     """Given after the first of two prompt chunks: the prompt goes on computing, and its
-    KV goes out at the end of the step that reads its first token back."""
+    KV goes out in the step after the one that reads its first token back (that step's
+    outputs, the first token among them, go out first)."""
     prefill, decode = pair
     free = _free(prefill, decode)
     run = Late(prefill, decode)
@@ -219,7 +220,9 @@ def test_a_ticket_that_comes_mid_prefill_waits_for_the_first_token(pair, prompts
     assert run.give("r3") == []
     assert request.kv_ticket is None and request.ticket_follows  # kept beside the request
     run.step_prefill_until(lambda: "r3" in run.first_ahead)
-    assert request.kv_ticket is not None and not request.ticket_follows  # sent in that step
+    assert request.kv_ticket is None and prefill.has_runnable_requests()  # not sent yet
+    run.step_prefill()
+    assert request.kv_ticket is not None and not request.ticket_follows  # sent in the next
     run.run()
     assert run.tokens["r3"] == expected["r3"]
     assert not run.layer_by_layer

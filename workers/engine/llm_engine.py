@@ -382,6 +382,7 @@ class LLMEngine:
             self.scheduler.has_unfinished_requests()
             or self._in_flight is not None
             or self._deferred_drafts is not None
+            or (self.handoff is not None and self.handoff.worker.has_ready_late())
             or (self.ep_front is not None and self.ep_front.has_unfinished())
             or (self.handoff is not None and self.handoff.scheduler.num_connecting > 0)
         )
@@ -392,6 +393,7 @@ class LLMEngine:
             self.scheduler.has_runnable_requests()
             or self._in_flight is not None
             or self._deferred_drafts is not None
+            or (self.handoff is not None and self.handoff.worker.has_ready_late())
             or (self.ep_front is not None and self.ep_front.has_runnable())
         )
 
@@ -518,7 +520,8 @@ class LLMEngine:
         if launched is not None and not self.async_scheduling:
             outputs += self._read_back(launched)
             self._in_flight = None
-        outputs += self._send_late()  # first tokens read back whose ticket is in
+        # First tokens read back whose ticket is in send their KV at the next step, after
+        # this one's outputs went out: the posting of every layer is not in their TTFT.
         if launched is not None:
             self.last_step = StepStats(
                 launched.num_prefill_tokens,

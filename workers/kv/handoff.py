@@ -266,6 +266,7 @@ class LateSend:
     ticket: TransferTicket | None = None
     done: TransferDone | None = None
     since: float = field(default_factory=time.monotonic)  # the first of the two came
+    connecting: bool = False  # ready, its decode worker's connection not up at the last try
 
     @property
     def ready(self) -> bool:
@@ -327,6 +328,10 @@ class HandoffWorker:
         self._late_send(request).ticket = ticket
         self.transport.connect(ticket)
 
+    def has_ready_late(self) -> bool:
+        """Whether a late request has its ticket and its first token: ``send_late`` sends."""
+        return any(late.ready and not late.connecting for late in self._late.values())
+
     def send_late(self) -> list[HandoffFailed]:
         """Late requests with their ticket and their "done": every layer, then the "done"
         (the ack ends them as any other). Those whose decode worker is still connecting
@@ -348,7 +353,8 @@ class HandoffWorker:
             address = late.ticket.address
             if address not in states:
                 states[address] = self.transport.connect(late.ticket)
-            if states[address] == CONNECTING:
+            late.connecting = states[address] == CONNECTING  # tried again at the next step
+            if late.connecting:
                 continue
             del self._late[rid]
             error = states[address] or self._send_all(late)
