@@ -1,5 +1,6 @@
 """``splitserve serve`` on two GPUs: the prefill worker hands the KV to the decode
-worker over NCCL, and the tokens equal the offline engine's on one GPU."""
+worker over NCCL (each prompt sent with the reservation, its ticket after it), and the
+tokens equal the offline engine's on one GPU."""
 
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ def test_nccl_hand_off_serves_the_offline_engines_tokens(tmp_path):
         m = server.metrics_when('splitserve_kv_transfers_total{pool="prefill"}', len(PROMPTS))
         assert m['splitserve_requests_total{outcome="ok",route="disaggregated"}'] == len(PROMPTS)
         assert m['splitserve_kv_transfer_bytes_total{pool="prefill"}'] > 0
+        # each prompt went to the prefill worker with the reservation, its ticket after
+        assert m['splitserve_kv_late_tickets_total{pool="prefill"}'] == len(PROMPTS)
 
         failures: list[str] = []
 
