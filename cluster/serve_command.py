@@ -62,6 +62,13 @@ def add_parsers(commands) -> None:
         metavar="N",
         help="each worker an expert-parallel group of N ranks (routed experts sharded E/N)",
     )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        metavar="N",
+        help="a stream's tokens go out every N tokens, the first at once "
+        "(scheduler.stream_interval; default 1: each token as it is sampled)",
+    )
     p.add_argument("--address", help="join this Ray cluster instead of starting one")
     p.add_argument(
         "--speculative-config",
@@ -96,6 +103,8 @@ def load_config(args: argparse.Namespace):
         )
     if getattr(args, "kv_cache_dtype", None):
         values["engine"]["cache"]["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "stream_interval", None) is not None:
+        values["engine"]["scheduler"]["stream_interval"] = args.stream_interval
     if args.device:
         values["engine"]["device"] = args.device
         if args.device == "cpu":

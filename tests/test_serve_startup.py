@@ -136,3 +136,15 @@ def test_a_failed_deployment_prints_its_cause_once_and_exits_1(monkeypatch, caps
         f"splitserve serve: the deployment failed: {cause}"
     ]
     assert calls == ["init", "delete", "serve.shutdown", "ray.shutdown"]
+
+
+def test_the_stream_interval_comes_from_the_command_line_and_is_checked():
+    from splitserve.cluster.serve_command import add_parsers
+
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers())
+    assert load_config(parser.parse_args(["serve"])).engine.scheduler.stream_interval == 1
+    config = load_config(parser.parse_args(["serve", "--stream-interval", "8"]))
+    assert config.engine.scheduler.stream_interval == 8
+    with pytest.raises(ValueError, match="invalid stream_interval=0: must be an integer >= 1"):
+        load_config(parser.parse_args(["serve", "--stream-interval", "0"]))
