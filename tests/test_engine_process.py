@@ -337,6 +337,14 @@ def test_messages_round_trip_through_the_codec():
     delta = decoded.events[0]
     assert delta.token_ids == [5] and delta.finish_reason == "stop" and delta.stop_reason == "x"
     assert [tuple(pair) for pair in delta.logprobs[0].top] == lp.top
+    from splitserve.workers.engine.core_process import Drain, Shutdown  # no fields
+
+    assert [type(messages.decode(messages.encode(m()))) for m in (Drain, Shutdown)] == [
+        Drain,
+        Shutdown,
+    ]
+    with pytest.raises(TypeError, match="FirstTokenTimes2 is not a message type"):
+        messages.encode(StepEvents([type("FirstTokenTimes2", (), {})()]))
 
 
 def test_merged_deltas_keep_every_token_in_order():

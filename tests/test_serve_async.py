@@ -3,7 +3,8 @@
 The serving loop (``workers/engine/core_process.py``) then always has a step in
 flight: tokens must match the offline engine, concurrent streams must all
 finish, and a client that disconnects mid-stream must free its KV on both
-workers while its step is still being read back.
+workers while its step is still being read back. Streams go out every
+``STREAM_INTERVAL`` tokens (``scheduler.stream_interval``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.test_serve import LONG_PROMPT, SHORT_PROMPT, _completion, check_disco
 pytestmark = pytest.mark.slow
 MAX_MODEL_LEN = 256
 NUM_BLOCKS = 256
+STREAM_INTERVAL = 4
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     config = one_prefill_one_decode_config(
-        model_dir, NUM_BLOCKS, MAX_MODEL_LEN, async_scheduling=True
+        model_dir, NUM_BLOCKS, MAX_MODEL_LEN, async_scheduling=True, stream_interval=STREAM_INTERVAL
     )
     config["ingress"] = {"replicas": 2}  # two HTTP fronts behind Ray Serve's proxy
     with serving(config, tmp_path_factory.mktemp("serve-async")) as server:
@@ -57,6 +59,21 @@ def test_greedy_completions_match_the_sync_offline_engine(server, offline):
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     m = server.metrics_when('splitserve_kv_transfers_total{pool="prefill"}', 1)
     assert m['splitserve_requests_total{outcome="ok",route="disaggregated"}'] == 1
+    server.wait_all_blocks_free()
+
+
+def test_a_stream_sends_its_tokens_every_stream_interval(server, offline):
+    for prompt in (LONG_PROMPT * 2 + "interval", SHORT_PROMPT + " interval"):
+        chunks = server.stream("/v1/completions", _completion(prompt))
+        counts = [len(ch.get("token_ids") or []) for c in chunks for ch in c["choices"]]
+        ends = {sum(counts[: i + 1]) for i, n in enumerate(counts) if n}
+        # the first token at once, then every 4th, the last at once (a lagging reader
+        # may take two of these in one chunk, never a cut elsewhere)
+        assert ends <= {1, 5, 9, 13, 16} and 16 in ends, counts
+        tokens = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        status, body = server.post("/v1/completions", _completion(prompt))
+        assert status == 200 and tokens == body["choices"][0]["token_ids"]
+        assert tokens == offline(body["prompt_token_ids"], 16)
     server.wait_all_blocks_free()
 
 

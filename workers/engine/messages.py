@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import operator
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,11 +298,33 @@ def decode(frame: bytes) -> Any:
 
 
 def _pack(obj: Any) -> msgpack.ExtType:
-    tag = _TAG.get(type(obj))
-    if tag is None:
-        raise TypeError(f"{type(obj).__name__} is not a message type")
-    fields = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    return msgpack.ExtType(tag, msgpack.packb(fields, default=_pack, use_bin_type=True))
+    tag, fields_of = _packer(type(obj))
+    return msgpack.ExtType(tag, msgpack.packb(fields_of(obj), default=_pack, use_bin_type=True))
+
+
+_PACKERS: dict[type, tuple[int, Callable[[Any], tuple]]] = {}
+
+
+def _packer(message_type: type) -> tuple[int, Callable[[Any], tuple]]:
+    """A message type's tag and a getter of its fields in order, made once per type (a
+    step's frame packs a delta per request)."""
+    packer = _PACKERS.get(message_type)
+    if packer is None:
+        tag = _TAG.get(message_type)
+        if tag is None:
+            raise TypeError(f"{message_type.__name__} is not a message type")
+        packer = _PACKERS[message_type] = (tag, _fields_getter(message_type))
+    return packer
+
+
+def _fields_getter(message_type: type) -> Callable[[Any], tuple]:
+    names = [f.name for f in dataclasses.fields(message_type)]
+    if len(names) > 1:
+        return operator.attrgetter(*names)  # a tuple of them
+    if names:
+        one = operator.attrgetter(names[0])
+        return lambda obj: (one(obj),)
+    return lambda obj: ()
 
 
 def _unpack(tag: int, data: bytes) -> Any:
