@@ -382,7 +382,6 @@ class LLMEngine:
             self.scheduler.has_unfinished_requests()
             or self._in_flight is not None
             or self._deferred_drafts is not None
-            or (self.handoff is not None and self.handoff.worker.has_ready_late())
             or (self.ep_front is not None and self.ep_front.has_unfinished())
             or (self.handoff is not None and self.handoff.scheduler.num_connecting > 0)
         )
