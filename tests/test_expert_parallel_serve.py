@@ -180,6 +180,21 @@ def _rank_pids(engine_pid: int) -> list[int]:
     return pids
 
 
+def _decode_rank1(server: Server, timeout_s: float = 30.0) -> int:
+    """The decode group's rank 1 process: the one spawned child of the engine process the
+    metrics name (polled: on a loaded machine the replica may have been replaced, and the
+    metrics name the new engine once it reports)."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while True:
+        engine_pid = _engine_pid(server, "decode")
+        ranks = _rank_pids(engine_pid)
+        if len(ranks) == 1:
+            return ranks[0]
+        seen.append((engine_pid, ranks))
+        assert time.monotonic() < deadline, f"no single rank 1 (engine pid, ranks): {seen[-3:]}"
+        time.sleep(0.5)
+
+
 def _engine_pid(server: Server, pool: str) -> int:
     for name, value in server.metrics().items():
         if re.match(rf'splitserve_engine_pid\{{pool="{pool}"', name):
@@ -196,8 +211,7 @@ def killed_decode_rank_ends_its_streams(server: Server, num_blocks: int) -> None
     rank's error (or the ingress's stall error) soon after, and the prefill group keeps
     no block (``num_blocks`` a rank). Also run on 4 GPUs
     (``test_expert_parallel_serve_gpu.py``)."""
-    engine_pid = _engine_pid(server, "decode")
-    (rank1,) = _rank_pids(engine_pid)
+    rank1 = _decode_rank1(server)
     prompts = _prompts(checkpoints.VOCAB_SIZE, [45, 50], seed=13)
     results: dict[int, tuple] = {}
 
