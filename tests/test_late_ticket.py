@@ -166,6 +166,10 @@ def test_first_tokens_come_before_any_ticket_and_the_late_kv_decodes_as_transfor
     for rid in run.prompts:
         run.reserve(rid)
         assert run.give(rid) == []
+        if rid == "r0" and prefill.scheduler.get_request(rid).ticket_follows:
+            # not sent: the decode worker's first connection is being made, and the loop
+            # has nothing to do until it is up (it waits, it does not spin)
+            assert not prefill.has_runnable_requests()
     run.run()
     assert run.tokens == expected
     assert {rid: toks[0] for rid, toks in run.tokens.items()} == run.first_ahead
