@@ -11,13 +11,23 @@ import torch
 from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.request import Request
 from splitserve.workers.sampling.sampler import Sampler
-from splitserve.workers.spec_decode.rejection_sampler import RejectionSampler
+from splitserve.workers.spec_decode.rejection_sampler import RejectionSampler, draft_tensor
 
 VOCAB = 6
 
 
-def verifier(seed: int = 0) -> RejectionSampler:
-    return RejectionSampler(Sampler(tokenizer=None, seed=seed))
+class Verifier:
+    """A rejection sampler, given host drafts."""
+
+    def __init__(self, seed: int = 0):
+        self.sampler = RejectionSampler(Sampler(tokenizer=None, seed=seed))
+
+    def verify(self, logits: torch.Tensor, drafts: list[list[int]], requests: list[Request]):
+        return self.sampler.verify(logits, *draft_tensor(drafts), requests)
+
+
+def verifier(seed: int = 0) -> Verifier:
+    return Verifier(seed)
 
 
 def request(rid: str, **params) -> Request:

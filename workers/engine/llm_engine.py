@@ -35,7 +35,7 @@ from splitserve.config import EngineConfig, env, resolve_device, resolve_dtype
 from splitserve.errors import InvalidRequestError
 from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.block_manager import BlockManager
-from splitserve.scheduler.request import Request, RequestStatus
+from splitserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
 from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from splitserve.workers.attention.registry import make_attention_backend
 from splitserve.workers.engine import admission
@@ -219,8 +219,10 @@ class LLMEngine:
             self.async_scheduling = False
         self._in_flight: LaunchedStep | None = None  # launched, tokens not read back yet
         # MTP: the last step's drafts, on the device while the host turns its tokens into
-        # outputs; read back just before the next schedule (held while a drafted request runs)
+        # outputs and schedules the next step (held while a drafted request runs); that
+        # step's inputs read them on the device
         self._pending_drafts: PendingDrafts | None = None
+        self._device_drafts: PendingDrafts | None = None  # those the next launch reads
         # A prefill worker with MTP sends each prompt's first token before its drafts: the
         # drafter's passes run at the start of the next step, then the KV's "done" frames
         # (with the drafts) go out. Not in an expert group, whose ranks step in lockstep.
@@ -475,8 +477,8 @@ class LLMEngine:
 
         With async scheduling the device computes step i + 1 while the host
         turns step i's tokens into outputs; without it, each step is read back
-        before ``step`` returns (with MTP its tokens: the drafts are read back just
-        before the next step is scheduled, the drafter running meanwhile). Rank 0 of
+        before ``step`` returns (with MTP its tokens: the drafts stay on the device, the
+        drafter running while the host schedules the next step). Rank 0 of
         an expert-parallel group steps the other ranks with it and returns their
         outputs too.
         """
@@ -513,6 +515,7 @@ class LLMEngine:
         if batch.is_empty and lockstep:
             self.runner.idle_step()  # a dummy step where another rank has work
         launched = self._launch(batch) if not batch.is_empty else None
+        self._drop_unread_drafts(batch)
         if self._in_flight is not None:
             outputs += self._read_back(self._in_flight)
         self._in_flight = launched
@@ -542,7 +545,11 @@ class LLMEngine:
     def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         sends = self.handoff.worker.start_sends(batch) if self.handoff else StepSends()
         launched = self.runner.launch(
-            batch, sends.on_layer_stored, self._in_flight, defer_drafts=self.defers_drafts
+            batch,
+            sends.on_layer_stored,
+            self._in_flight,
+            defer_drafts=self.defers_drafts,
+            drafts=self._device_drafts,
         )
         launched.send_errors = sends.errors
         self.scheduler.advance(batch)
@@ -585,15 +592,35 @@ class LLMEngine:
         self._pending_drafts = pending if running else None
 
     def _resolve_drafts(self) -> None:
-        """The last step's drafts, read back now, onto its requests still running (one
-        finished, aborted or failed since gets none)."""
+        """The last step's drafts onto its requests still running (one finished, aborted or
+        failed since gets none), as many ``PLACEHOLDER`` ids: the scheduler sizes each
+        request's step by their number, the runner reads them on the device."""
         pending, self._pending_drafts = self._pending_drafts, None
         if pending is None:
             return
-        drafts = pending.result()
+        if pending.read_back:  # read already (a prefill worker's, sent with its KV)
+            drafts = pending.result()
+            for request in pending.requests:
+                if request.status == RequestStatus.RUNNING:
+                    request.spec_token_ids = drafts[request.request_id]
+            return
+        k = pending.tokens.shape[1]
         for request in pending.requests:
             if request.status == RequestStatus.RUNNING:
-                request.spec_token_ids = drafts[request.request_id]
+                request.spec_token_ids = [PLACEHOLDER] * k
+        self._device_drafts = pending
+
+    def _drop_unread_drafts(self, batch: SchedulerOutput) -> None:
+        """Drafts on the device of requests the step did not schedule (or of none, in an
+        empty step): their memory goes with the step, so those requests decode without
+        drafts next time."""
+        pending, self._device_drafts = self._device_drafts, None
+        if pending is None:
+            return
+        scheduled = {r.request_id for r in batch.requests}
+        for request in pending.requests:
+            if request.request_id not in scheduled and PLACEHOLDER in request.spec_token_ids:
+                request.spec_token_ids = []
 
     def _send_deferred_drafts(self) -> None:
         """Prefill side with MTP: the last step's drafter passes (the MTP layer's prompt KV

@@ -206,10 +206,12 @@ class ModelRunner:
         on_layer_stored: Callable[[int], None] | None = None,
         previous: LaunchedStep | None = None,
         defer_drafts: bool = False,
+        drafts: PendingDrafts | None = None,
     ) -> LaunchedStep:
         """Queue one step on the device: inputs, forward, logits, sampling; wait for nothing.
         (With the MTP drafter: the tokens are read back at once, the drafts left on the
-        device; ``defer_drafts``: the drafter's passes left to the caller,
+        device; ``drafts``: the step before's, which this step's ``PLACEHOLDER`` drafts
+        are read from; ``defer_drafts``: the drafter's passes left to the caller,
         ``speculative.deferred_drafts``.)
 
         A request's pending token (``PLACEHOLDER``, sampled by ``previous``, still
@@ -219,7 +221,7 @@ class ModelRunner:
         """
         steps = [_step_request(r, n) for r, n in zip(batch.requests, batch.num_scheduled_tokens)]
         if self.speculator is not None:
-            return self._launch_speculative(batch, steps, on_layer_stored, defer_drafts)
+            return self._launch_speculative(batch, steps, on_layer_stored, defer_drafts, drafts)
         graphs = self.decode_graphs
         replay = graphs is not None and on_layer_stored is None and graphs.can_run_steps(steps)
         group = self.group_step(steps, replay)
@@ -249,9 +251,11 @@ class ModelRunner:
         steps: list[StepRequest],
         on_layer_stored: Callable[[int], None] | None,
         defer_drafts: bool = False,
+        drafts: PendingDrafts | None = None,
     ) -> LaunchedStep:
         """A step with the MTP drafter: forward, verify or sample, draft; the tokens read
         back at once (the accepted runs decide where the drafts go), the drafts launched.
+        A draft still on the device (``PLACEHOLDER``) is fed from ``drafts``.
 
         A step of decodes and verifies replays the decode graph of its token count: a
         request's ``1 + k`` tokens are ``1 + k`` decode rows over its block table, row
@@ -261,27 +265,31 @@ class ModelRunner:
         graphs = self.decode_graphs if on_layer_stored is None else None
         replay = rows is not None and graphs is not None and graphs.can_run_steps(rows)
         group = self.group_step(steps, replay, num_draft_rows(batch.requests, steps))
+        sources = _draft_sources(steps, batch.requests, drafts)
+        on_device = drafts.tokens.view(-1) if any(i >= 0 for i in sources) else None
         target: ForwardBatch | list[StepRequest]
         if replay and (group is None or group.graph_size is not None):
             self.capture_graphs()
             size = group.graph_size if group is not None else None
-            hidden, _ = graphs.replay_steps(rows, [-1] * len(rows), None, size)
+            hidden, fb = graphs.replay_steps(rows, sources, on_device, size)
             self.forward_counts.add("verify" if len(rows) > len(steps) else "decode", "graph")
-            target = rows  # the drafter's first pass runs over the same rows
+            target, input_ids = rows, fb.input_ids  # the drafter's first pass: the same rows
         else:
             target = build_forward_batch(
                 steps, self.kv_cache, self.attn_backend, self.device, plan=False
             )
+            _feed_rows(target.input_ids, sources, on_device)
             target.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
             hidden = self._counted_forward(target, group)
+            input_ids = target.input_ids
         # The step's graph decision, made once, goes to the drafter (with expert
         # parallelism the group's: every rank runs the same drafter passes).
         draft_graphs = self.draft_graphs if on_layer_stored is None else None
         if draft_graphs is not None:
             self.capture_graphs()
-        drafts = agree_drafts(group, self._draft_sizes()) if group is not None else None
+        agreed = agree_drafts(group, self._draft_sizes()) if group is not None else None
         spec = self.speculator.run(
-            target, hidden, batch.requests, steps, draft_graphs, drafts, defer_drafts
+            target, input_ids, hidden, batch.requests, steps, draft_graphs, agreed, defer_drafts
         )
         sampling = [r for r, s in zip(batch.requests, steps) if s.sample]
         num_tokens = sum(len(s.new_token_ids) for s in steps)
@@ -454,18 +462,42 @@ def _feed_pending_tokens(
     previous: LaunchedStep | None,
 ) -> None:
     """Write the in-flight tokens of the previous step into ``fb.input_ids`` on the device."""
-    rows, sources, end = [], [], 0
+    sources = []
     for step, source in zip(steps, _pending_sources(steps, requests, previous)):
-        end += len(step.new_token_ids)
-        if source >= 0:
-            rows.append(end - 1)
-            sources.append(source)
+        sources += [-1] * (len(step.new_token_ids) - 1) + [source]
+    if any(i >= 0 for i in sources):
+        _feed_rows(fb.input_ids, sources, previous.tokens.token_ids)
+
+
+def _draft_sources(
+    steps: list[StepRequest], requests: list[Request], drafts: PendingDrafts | None
+) -> list[int]:
+    """For each row of the step, the index in ``drafts.tokens.view(-1)`` of the draft it
+    reads, for a draft still on the device (``PLACEHOLDER``); else -1."""
+    sources = []
+    for step, request in zip(steps, requests):
+        first = step.num_computed - request.num_tokens  # draft index of the step's row 0
+        for j, token in enumerate(step.new_token_ids):
+            if token != PLACEHOLDER:
+                sources.append(-1)
+            elif drafts is None or drafts.tokens is None or first + j < 0:
+                raise RuntimeError(
+                    f"request {request.request_id!r} verifies a draft that is on no device"
+                )
+            else:
+                sources.append(drafts.source(request.request_id, first + j))
+    return sources
+
+
+def _feed_rows(input_ids: torch.Tensor, sources: list[int], tokens: torch.Tensor | None) -> None:
+    """``input_ids[i] = tokens[sources[i]]`` on the device, for each ``sources[i] >= 0``."""
+    rows = [i for i, s in enumerate(sources) if s >= 0]
     if not rows:
         return
-    tokens = previous.tokens.token_ids
-    dst, src = consecutive(rows), consecutive(sources)
+    picked = [sources[i] for i in rows]
+    dst, src = consecutive(rows), consecutive(picked)
     if dst is not None and src is not None:  # a steady decode: one copy, no index upload
-        fb.input_ids[dst].copy_(tokens[src])
+        input_ids[dst].copy_(tokens[src])
         return
-    rows_t, sources_t = to_device([rows, sources], fb.input_ids.device)
-    fb.input_ids[rows_t] = tokens[sources_t]
+    rows_t, sources_t = to_device([rows, picked], input_ids.device)
+    input_ids[rows_t] = tokens[sources_t]

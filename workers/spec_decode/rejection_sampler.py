@@ -62,21 +62,23 @@ class RejectionSampler:
         self._simulation: torch.Generator | None = None
 
     def verify(
-        self, logits: torch.Tensor, drafts: list[list[int]], requests: list[Request]
+        self,
+        logits: torch.Tensor,
+        draft_ids: torch.Tensor,
+        counts: list[int],
+        requests: list[Request],
     ) -> list[VerifiedRun]:
-        """``logits``: ``[sum(1 + len(d)), V]``, request ``i``'s rows in a run. Waits for
-        the device (the accepted counts decide the rest of the step)."""
-        counts = [len(d) + 1 for d in drafts]
-        assert logits.shape[0] == sum(counts), (logits.shape, counts)
+        """``logits``: ``[sum(counts), V]``, request ``i``'s ``counts[i] = 1 + k`` rows in a
+        run; ``draft_ids``: on the same rows, the draft each row verifies (-1 on a bonus
+        row), on the device (``draft_tensor`` makes it from host lists). Reads back once,
+        the accepted runs (which decide the rest of the step)."""
+        assert logits.shape[0] == sum(counts) == draft_ids.shape[0], (logits.shape, counts)
         device = logits.device
-        draft_rows = [t for d in drafts for t in (*d, -1)]  # -1: the bonus row has no draft
-        draft_ids = to_device(draft_rows, device)
         x = logits.to(torch.float32, copy=True)
         _apply_min_tokens(x, requests, counts)
         candidate = x.argmax(dim=-1)
         if self.simulated_acceptance is not None:
             draft_ids = self._simulate(draft_ids, candidate)
-            drafts = _split_drafts(draft_ids.tolist(), counts)
         accepted = candidate == draft_ids
         sampled = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if sampled:
@@ -89,13 +91,15 @@ class RejectionSampler:
                 [counts[i] for i in sampled],
             )
             accepted[index], candidate[index] = accept, draw
-        accepted_host, candidate_host = accepted.tolist(), candidate.tolist()
+        # Row j emits its draft while the run holds, then the target's token: one read-back.
+        emitted = torch.where(accepted, draft_ids, candidate)
+        accepted_host, emitted_host = torch.stack([accepted.long(), emitted]).tolist()
         runs, start = [], 0
-        for d, n in zip(drafts, counts):
+        for n in counts:
             a = 0
-            while a < len(d) and accepted_host[start + a]:
+            while a < n - 1 and accepted_host[start + a]:
                 a += 1
-            runs.append(VerifiedRun([*d[:a], candidate_host[start + a]], []))
+            runs.append(VerifiedRun(emitted_host[start : start + a + 1], []))
             start += n
         self._logprobs(logits, runs, requests, counts)
         return runs
@@ -171,13 +175,13 @@ class RejectionSampler:
             runs[i].logprobs[j] = TokenLogprobs(token, lp, list(zip(ids[:k], values[:k])))
 
 
-def _split_drafts(rows: list[int], counts: list[int]) -> list[list[int]]:
-    """Each request's drafts from its ``1 + k`` rows (the last, its bonus row, has none)."""
-    drafts, start = [], 0
-    for n in counts:
-        drafts.append(rows[start : start + n - 1])
-        start += n
-    return drafts
+def draft_tensor(
+    drafts: list[list[int]], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, list[int]]:
+    """``verify``'s ``draft_ids`` and ``counts`` from host drafts: each request's drafts, then
+    -1 on its bonus row."""
+    rows = [t for d in drafts for t in (*d, -1)]
+    return to_device(rows, device), [len(d) + 1 for d in drafts]
 
 
 def _rows_of(indices: list[int], counts: list[int]) -> list[int]:

@@ -7,9 +7,11 @@ first token, or a request that may not be drafted for). Then the MTP drafter
 that may be drafted for; the scheduler trims the drafts to what the next step can
 verify.
 
-The drafts stay on the device when ``run`` returns (``PendingDrafts``): the drafter's
-passes run while the host turns the step's tokens into outputs, and the engine reads
-them back just before it schedules the next step, which they size.
+The drafts stay on the device (``PendingDrafts``): the drafter's passes run while the
+host turns the step's tokens into outputs and schedules the next step, which sizes
+each request's step by its number of drafts alone (their ids read as ``PLACEHOLDER``);
+the next step's inputs take them from the device, and verification reads them from
+those inputs. The one read-back of a step is its accepted runs.
 """
 
 from __future__ import annotations
@@ -35,16 +37,26 @@ from splitserve.workers.spec_decode.rejection_sampler import (
 
 @dataclass
 class PendingDrafts:
-    """The drafts for the next step, launched on the device; ``result()`` reads them back
-    (once) as request id -> drafts."""
+    """The drafts for the next step, launched on the device. The next verify step reads
+    them there (``source``: where a request's draft is); ``result()`` reads them back
+    (once) as request id -> drafts, for what must leave the device (a prefill worker's
+    hand-off)."""
 
     requests: list[Request] = field(default_factory=list)  # the drafted ones, in rows
     tokens: torch.Tensor | None = None  # [rows, K]; None once read back
     _drafts: dict[str, list[int]] | None = field(default=None, init=False, repr=False)
+    _rows: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rows = {r.request_id: i for i, r in enumerate(self.requests)}
 
     @property
     def read_back(self) -> bool:
         return self._drafts is not None
+
+    def source(self, request_id: str, k: int) -> int:
+        """The index of the request's draft ``k`` (from 0) in ``tokens.view(-1)``."""
+        return self._rows[request_id] * self.tokens.shape[1] + k
 
     def result(self) -> dict[str, list[int]]:
         if self._drafts is None:
@@ -85,6 +97,7 @@ class Speculator:
     def run(
         self,
         target: ForwardBatch | list[StepRequest],
+        input_ids: torch.Tensor,
         hidden: torch.Tensor,
         requests: list[Request],
         steps: list[StepRequest],
@@ -93,7 +106,9 @@ class Speculator:
         defer_drafts: bool = False,
     ) -> SpeculativeResult:
         """Verify or sample, then draft (``target``: the target's eager batch, or its decode
-        rows when it replayed a decode graph; ``draft_graphs``: the step may replay the
+        rows when it replayed a decode graph; ``input_ids``: the step's tokens as the
+        target read them, on the device (a draft of the step before may be known only
+        there: ``PLACEHOLDER`` in the host's lists); ``draft_graphs``: the step may replay the
         drafter's graphs; ``group``: the expert-parallel group's drafter passes); waits
         for the tokens, not for the drafts. ``defer_drafts``: return once the tokens are
         in, the drafter's passes as ``deferred_drafts`` (a prefill worker's first tokens
@@ -103,13 +118,15 @@ class Speculator:
         for s in steps:
             starts.append(starts[-1] + len(s.new_token_ids))
         sampling = [i for i, s in enumerate(steps) if s.sample]
-        runs = self._emit(hidden, requests, steps, starts, sampling)
+        runs = self._emit(input_ids, hidden, requests, steps, starts, sampling)
         next_ids: list[int] = []
         draft_rows: list[int] = []
         drafted: list[Request] = []
         for i, (request, step) in enumerate(zip(requests, steps)):
             ids = step.new_token_ids
-            following = ids[1:] + [0]
+            # After a rejected draft the row's token does not matter: its MTP KV is
+            # written again next step; a draft the host has not read reads as 0.
+            following = [max(t, 0) for t in ids[1:]] + [0]
             if i in runs:
                 base = len(ids) - 1 - step.num_drafts
                 emitted = runs[i].token_ids
@@ -135,6 +152,7 @@ class Speculator:
 
     def _emit(
         self,
+        input_ids: torch.Tensor,
         hidden: torch.Tensor,
         requests: list[Request],
         steps: list[StepRequest],
@@ -153,15 +171,19 @@ class Speculator:
             for i, token, lp in zip(plain, out.token_ids, out.logprobs):
                 runs[i] = VerifiedRun([token], [lp])
         if verifying:
-            rows = [
-                r
-                for i in verifying
-                for r in range(starts[i + 1] - 1 - steps[i].num_drafts, starts[i + 1])
-            ]
-            logits = self.model.compute_logits(hidden[to_device(rows, device)])
-            drafts = [steps[i].new_token_ids[1:] for i in verifying]
+            # Each verify row's draft is the input a row below it (the bonus row has none):
+            # read on the device, where a draft of the step before still is.
+            rows, below, bonus = [], [], len(input_ids)
+            for i in verifying:
+                end = starts[i + 1]
+                rows += range(end - 1 - steps[i].num_drafts, end)
+                below += [*range(end - steps[i].num_drafts, end), bonus]
+            index = to_device([rows, below], device)
+            logits = self.model.compute_logits(hidden[index[0]])
+            draft_ids = torch.cat([input_ids, input_ids.new_full((1,), -1)])[index[1]]
+            counts = [1 + steps[i].num_drafts for i in verifying]
             verified = self.rejection_sampler.verify(
-                logits, drafts, [requests[i] for i in verifying]
+                logits, draft_ids, counts, [requests[i] for i in verifying]
             )
             runs.update(zip(verifying, verified))
         return dict(sorted(runs.items()))
