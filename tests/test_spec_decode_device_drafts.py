@@ -138,3 +138,27 @@ def test_a_request_left_out_of_a_step_loses_its_drafts_on_the_device(context_glm
     assert tokens == generate(engine(context_glm, max_num_batched_tokens=budget), batch)
     assert reads == []
     assert_all_blocks_free(eng)
+
+
+def test_the_first_pass_is_queued_before_the_host_waits_for_the_runs(context_glm, monkeypatch):
+    """A decode worker's step: the drafter's first pass (over every row, fed the emitted
+    tokens on the device) is launched before the host reads the accepted runs back; the
+    chained passes, which start where the runs end, after."""
+    from splitserve.workers.spec_decode.rejection_sampler import PendingRuns
+
+    order: list[str] = []
+    result = PendingRuns.result
+    monkeypatch.setattr(PendingRuns, "result", lambda self: (order.append("runs"), result(self))[1])
+    eng = engine(context_glm, k=2)
+    proposer = eng.runner.speculator.proposer
+    for name in ("first_pass", "chain"):
+        call = getattr(proposer, name)
+        monkeypatch.setattr(
+            proposer, name, lambda *a, _n=name, _c=call, **k: (order.append(_n), _c(*a, **k))[1]
+        )
+    tokens = generate(eng, prompts()[:2])
+    verify_steps = [i for i, name in enumerate(order) if name == "runs"]
+    assert verify_steps and all(
+        order[i - 1 : i + 2] == ["first_pass", "runs", "chain"] for i in verify_steps
+    )
+    assert tokens == generate(engine(context_glm), prompts()[:2])

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,6 +43,19 @@ from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.forward_counts import ForwardCounts
 from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch, to_device
 from splitserve.workers.runner.step_plan import plan_forward
+
+
+@dataclass
+class FirstPass:
+    """The drafter's first pass over a step's rows, launched: the MTP layer's hidden state
+    a row and, where a draft graph ran it, each row's greedy draft; where the rows are:
+    each one's position and block table (decode rows), or the eager batch's."""
+
+    mtp_hidden: torch.Tensor
+    drafts: torch.Tensor | None
+    positions: list[int] = field(default_factory=list)
+    blocks: list[list[int]] = field(default_factory=list)
+    step: ForwardBatch | None = None
 
 
 class MTPProposer:
@@ -74,7 +88,7 @@ class MTPProposer:
         self,
         step: ForwardBatch | list[StepRequest],
         hidden: torch.Tensor,
-        next_token_ids: list[int],
+        next_token_ids: torch.Tensor | list[int],
         draft_rows: list[int],
         graphs: DraftGraphRunner | None = None,
         group: DraftSteps | None = None,
@@ -85,19 +99,47 @@ class MTPProposer:
         when the target replayed a decode graph; ``graphs``: the step may replay the
         drafter's graphs (the runner's decision for the step): the first pass over decode
         rows and the chained steps; ``group``: the expert-parallel group's passes, which
-        decide instead. Returns the drafts ``[rows, K]`` on the device, launched, not read back."""
+        decide instead. Returns the drafts ``[rows, K]`` on the device, launched, not read
+        back. (``first_pass`` then ``chain``.)"""
+        first = self.first_pass(step, hidden, next_token_ids, graphs, group)
+        return self.chain(first, draft_rows, graphs, group)
+
+    @torch.inference_mode()
+    def first_pass(
+        self,
+        step: ForwardBatch | list[StepRequest],
+        hidden: torch.Tensor,
+        next_token_ids: torch.Tensor | list[int],
+        graphs: DraftGraphRunner | None = None,
+        group: DraftSteps | None = None,
+    ) -> FirstPass:
+        """The MTP layer over every row of the target's step, launched: it needs the tokens
+        after the rows (on the device), not which rows draft (``chain``)."""
         device = hidden.device
-        ids = to_device(next_token_ids, device)
+        ids = next_token_ids
+        if not isinstance(ids, torch.Tensor):
+            ids = to_device(ids, device)
         first_step = group.first if group is not None else None
         if isinstance(step, list):
             positions = [r.num_computed for r in step]
             blocks = [r.block_ids for r in step]
-            mtp_hidden, first = self._first_pass_rows(
+            mtp_hidden, drafts = self._first_pass_rows(
                 ids, hidden, positions, blocks, graphs, first_step
             )
-        else:
-            positions, blocks = _rows_at(step, draft_rows)
-            mtp_hidden, first = self._first_pass(ids, hidden, step), None
+            return FirstPass(mtp_hidden, drafts, positions, blocks)
+        return FirstPass(self._first_pass(ids, hidden, step), None, step=step)
+
+    @torch.inference_mode()
+    def chain(
+        self,
+        first: FirstPass,
+        draft_rows: list[int],
+        graphs: DraftGraphRunner | None = None,
+        group: DraftSteps | None = None,
+    ) -> torch.Tensor:
+        """Drafts 1 .. K of the requests whose last emitted token sits at ``draft_rows``:
+        the first pass's head at those rows, then ``K - 1`` chained passes."""
+        device = first.mtp_hidden.device
         chain_step = group.chain if group is not None else None
         if not draft_rows:
             self._dummy_chain(chain_step, graphs)
@@ -105,13 +147,15 @@ class MTPProposer:
         if group is not None and chain_step is None:
             raise RuntimeError("a rank drafts in a group step whose drafter runs no chain")
         rows = to_device(draft_rows, device)
-        mtp_hidden = mtp_hidden[rows]
+        mtp_hidden = first.mtp_hidden[rows]
         # An eager first pass leaves the head to the draft rows: over a prompt's every row
         # it would compute (and compile) the LM head at thousands of rows for a few drafts.
-        drafts = [self._greedy(mtp_hidden) if first is None else first[rows]]
-        if isinstance(step, list):
-            positions = [positions[r] for r in draft_rows]
-            blocks = [blocks[r] for r in draft_rows]
+        drafts = [self._greedy(mtp_hidden) if first.drafts is None else first.drafts[rows]]
+        if first.step is not None:
+            positions, blocks = _rows_at(first.step, draft_rows)
+        else:
+            positions = [first.positions[r] for r in draft_rows]
+            blocks = [first.blocks[r] for r in draft_rows]
         use_graphs = graphs is not None and graphs.can_draft(len(draft_rows))
         size = None
         if chain_step is not None:  # the group decides, one size for every rank

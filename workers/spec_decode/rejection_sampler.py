@@ -48,6 +48,44 @@ class VerifiedRun:
         return len(self.token_ids) - 1
 
 
+class PendingRuns:
+    """A verification queued on the device: ``emitted`` there (row ``j`` of a request: the
+    token it emits if its run reaches the row), and a copy of the outcome on its way to
+    the host; ``result`` waits for the copy alone, not for work queued after it."""
+
+    def __init__(
+        self,
+        emitted: torch.Tensor,
+        outcome: torch.Tensor,  # [2, rows]: accepted (0/1), emitted
+        logits: torch.Tensor,
+        counts: list[int],
+        requests: list[Request],
+    ):
+        self.emitted = emitted
+        self._logits, self._counts, self._requests = logits, counts, requests
+        self._ready: torch.cuda.Event | None = None
+        if outcome.is_cuda:
+            outcome = outcome.to("cpu", non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._outcome = outcome
+
+    def result(self) -> list[VerifiedRun]:
+        """Each request's run: its accepted drafts, then one more token (with logprobs)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        accepted, emitted = self._outcome.tolist()
+        runs, start = [], 0
+        for n in self._counts:
+            a = 0
+            while a < n - 1 and accepted[start + a]:
+                a += 1
+            runs.append(VerifiedRun(emitted[start : start + a + 1], []))
+            start += n
+        RejectionSampler._logprobs(self._logits, runs, self._requests, self._counts)
+        return runs
+
+
 def drafts_allowed(request: Request) -> bool:
     """Whether the request may verify drafts (its sampling reads no output tokens)."""
     return not request.sampling_params.reads_output_tokens
@@ -68,10 +106,20 @@ class RejectionSampler:
         counts: list[int],
         requests: list[Request],
     ) -> list[VerifiedRun]:
+        """``launch``, then wait for its runs."""
+        return self.launch(logits, draft_ids, counts, requests).result()
+
+    def launch(
+        self,
+        logits: torch.Tensor,
+        draft_ids: torch.Tensor,
+        counts: list[int],
+        requests: list[Request],
+    ) -> PendingRuns:
         """``logits``: ``[sum(counts), V]``, request ``i``'s ``counts[i] = 1 + k`` rows in a
         run; ``draft_ids``: on the same rows, the draft each row verifies (-1 on a bonus
-        row), on the device (``draft_tensor`` makes it from host lists). Reads back once,
-        the accepted runs (which decide the rest of the step)."""
+        row), on the device (``draft_tensor`` makes it from host lists). Queues the
+        verification and the copy of its outcome to the host; waits for nothing."""
         assert logits.shape[0] == sum(counts) == draft_ids.shape[0], (logits.shape, counts)
         device = logits.device
         x = logits.to(torch.float32, copy=True)
@@ -91,18 +139,10 @@ class RejectionSampler:
                 [counts[i] for i in sampled],
             )
             accepted[index], candidate[index] = accept, draw
-        # Row j emits its draft while the run holds, then the target's token: one read-back.
+        # Row j emits its draft while the run holds, then the target's token.
         emitted = torch.where(accepted, draft_ids, candidate)
-        accepted_host, emitted_host = torch.stack([accepted.long(), emitted]).tolist()
-        runs, start = [], 0
-        for n in counts:
-            a = 0
-            while a < n - 1 and accepted_host[start + a]:
-                a += 1
-            runs.append(VerifiedRun(emitted_host[start : start + a + 1], []))
-            start += n
-        self._logprobs(logits, runs, requests, counts)
-        return runs
+        outcome = torch.stack([accepted.long(), emitted])
+        return PendingRuns(emitted, outcome, logits, counts, requests)
 
     def _rejection(
         self,

@@ -7,6 +7,12 @@ first token, or a request that may not be drafted for). Then the MTP drafter
 that may be drafted for; the scheduler trims the drafts to what the next step can
 verify.
 
+The order keeps the device busy while the host waits or works: the sampling and the
+verification are queued with the copy of their outcome to the host (``Emission``);
+the token after each row is written on the device, so the drafter's first pass (over
+every row) is queued next; only then does the host wait, for the copy alone, and the
+accepted runs say where each request's chained drafts start (``MTPProposer.chain``).
+
 The drafts stay on the device (``PendingDrafts``): the drafter's passes run while the
 host turns the step's tokens into outputs and schedules the next step, which sizes
 each request's step by its number of drafts alone (their ids read as ``PLACEHOLDER``);
@@ -26,9 +32,10 @@ from splitserve.workers.parallel.lockstep import DraftSteps
 from splitserve.workers.runner.cuda_graphs.draft_runner import DraftGraphRunner
 from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import StepRequest, to_device
-from splitserve.workers.sampling.sampler import Sampler
+from splitserve.workers.sampling.sampler import SampledTokens, Sampler
 from splitserve.workers.spec_decode.mtp_proposer import MTPProposer
 from splitserve.workers.spec_decode.rejection_sampler import (
+    PendingRuns,
     RejectionSampler,
     VerifiedRun,
     drafts_allowed,
@@ -118,37 +125,27 @@ class Speculator:
         for s in steps:
             starts.append(starts[-1] + len(s.new_token_ids))
         sampling = [i for i, s in enumerate(steps) if s.sample]
-        runs = self._emit(input_ids, hidden, requests, steps, starts, sampling)
-        next_ids: list[int] = []
-        draft_rows: list[int] = []
-        drafted: list[Request] = []
-        for i, (request, step) in enumerate(zip(requests, steps)):
-            ids = step.new_token_ids
-            # After a rejected draft the row's token does not matter: its MTP KV is
-            # written again next step; a draft the host has not read reads as 0.
-            following = [max(t, 0) for t in ids[1:]] + [0]
-            if i in runs:
-                base = len(ids) - 1 - step.num_drafts
-                emitted = runs[i].token_ids
-                following[base : base + len(emitted)] = emitted
-                if drafts_after(request, step):
-                    draft_rows.append(starts[i] + base + len(emitted) - 1)
-                    drafted.append(request)
-            else:  # a prompt chunk: the next prompt token follows it
-                end = step.num_computed + len(ids)
-                following[-1] = request.token_ids_between(end, end + 1)[0]
-            next_ids += following
-
-        def draft() -> PendingDrafts:
-            args = (target, hidden, next_ids, draft_rows, draft_graphs, group)
-            return PendingDrafts(drafted, self.proposer.propose(*args))
-
-        result = SpeculativeResult(runs={requests[i].request_id: r for i, r in runs.items()})
+        emission = self._emit(input_ids, hidden, requests, steps, starts, sampling)
+        # The token after each row, on the device: the drafter's first pass can start
+        # before the host has the tokens.
+        next_ids = to_device(_following(requests, steps), hidden.device)
+        emission.write_into(next_ids)
+        args = (target, hidden, next_ids)
         if defer_drafts:
-            result.deferred_drafts = draft
-        else:
-            result.drafts = draft()
-        return result
+            runs = emission.runs()
+            draft_rows, drafted = _draft_rows(runs, requests, steps, starts)
+
+            def draft() -> PendingDrafts:
+                drafts = self.proposer.propose(*args, draft_rows, draft_graphs, group)
+                return PendingDrafts(drafted, drafts)
+
+            result = SpeculativeResult(runs=_by_id(runs, requests), deferred_drafts=draft)
+            return result
+        first = self.proposer.first_pass(*args, draft_graphs, group)
+        runs = emission.runs()  # waits for the verification, not for the first pass
+        draft_rows, drafted = _draft_rows(runs, requests, steps, starts)
+        drafts = self.proposer.chain(first, draft_rows, draft_graphs, group)
+        return SpeculativeResult(_by_id(runs, requests), PendingDrafts(drafted, drafts))
 
     def _emit(
         self,
@@ -158,35 +155,103 @@ class Speculator:
         steps: list[StepRequest],
         starts: list[int],
         sampling: list[int],
-    ) -> dict[int, VerifiedRun]:
-        """Per sampling request (by index): the tokens it emits this step."""
+    ) -> Emission:
+        """Sample (a request without drafts) or verify (one with) each sampling request's
+        rows, queued on the device."""
         device = hidden.device
-        plain = [i for i in sampling if steps[i].num_drafts == 0]
-        verifying = [i for i in sampling if steps[i].num_drafts > 0]
-        runs: dict[int, VerifiedRun] = {}
-        if plain:
-            rows = to_device([starts[i + 1] - 1 for i in plain], device)
+        emission = Emission()
+        emission.plain = [i for i in sampling if steps[i].num_drafts == 0]
+        emission.verifying = [i for i in sampling if steps[i].num_drafts > 0]
+        if emission.plain:
+            rows = to_device([starts[i + 1] - 1 for i in emission.plain], device)
             logits = self.model.compute_logits(hidden[rows])
-            out = self.sampler.sample(logits, [requests[i] for i in plain]).result()
-            for i, token, lp in zip(plain, out.token_ids, out.logprobs):
-                runs[i] = VerifiedRun([token], [lp])
-        if verifying:
+            sampled = self.sampler.sample(logits, [requests[i] for i in emission.plain])
+            emission.sampled, emission.written = sampled, [(rows, sampled.token_ids)]
+        if emission.verifying:
             # Each verify row's draft is the input a row below it (the bonus row has none):
             # read on the device, where a draft of the step before still is.
             rows, below, bonus = [], [], len(input_ids)
-            for i in verifying:
+            for i in emission.verifying:
                 end = starts[i + 1]
                 rows += range(end - 1 - steps[i].num_drafts, end)
                 below += [*range(end - steps[i].num_drafts, end), bonus]
             index = to_device([rows, below], device)
             logits = self.model.compute_logits(hidden[index[0]])
             draft_ids = torch.cat([input_ids, input_ids.new_full((1,), -1)])[index[1]]
-            counts = [1 + steps[i].num_drafts for i in verifying]
-            verified = self.rejection_sampler.verify(
-                logits, draft_ids, counts, [requests[i] for i in verifying]
+            counts = [1 + steps[i].num_drafts for i in emission.verifying]
+            verified = self.rejection_sampler.launch(
+                logits, draft_ids, counts, [requests[i] for i in emission.verifying]
             )
-            runs.update(zip(verifying, verified))
+            emission.verified = verified
+            emission.written.append((index[0], verified.emitted))
+        return emission
+
+
+@dataclass
+class Emission:
+    """A step's sampling and verification, queued on the device: what each sampling
+    request emits, there row by row (``written``: rows, the token after each) and on its
+    way to the host (``runs``)."""
+
+    plain: list[int] = field(default_factory=list)  # sampling requests without drafts
+    sampled: SampledTokens | None = None
+    verifying: list[int] = field(default_factory=list)  # those with drafts
+    verified: PendingRuns | None = None
+    written: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def write_into(self, next_ids: torch.Tensor) -> None:
+        """Each emitting row's next token into ``next_ids``, on the device."""
+        for rows, tokens in self.written:
+            next_ids[rows] = tokens
+
+    def runs(self) -> dict[int, VerifiedRun]:
+        """Per sampling request (by index): the tokens it emits; waits for them."""
+        runs: dict[int, VerifiedRun] = {}
+        if self.sampled is not None:
+            out = self.sampled.result()
+            for i, token, lp in zip(self.plain, out.token_ids, out.logprobs):
+                runs[i] = VerifiedRun([token], [lp])
+        if self.verified is not None:
+            runs.update(zip(self.verifying, self.verified.result()))
         return dict(sorted(runs.items()))
+
+
+def _following(requests: list[Request], steps: list[StepRequest]) -> list[int]:
+    """The token after each row of the step as the host knows it: the next input, or for
+    a prompt chunk's last row the next prompt token. An emitting row's is written on the
+    device (``Emission.write_into``); after a rejected draft the row's token does not
+    matter (its MTP KV is written again next step), and a draft the host has not read
+    reads as 0."""
+    following: list[int] = []
+    for request, step in zip(requests, steps):
+        ids = step.new_token_ids
+        row = [max(t, 0) for t in ids[1:]] + [0]
+        if not step.sample:
+            end = step.num_computed + len(ids)
+            row[-1] = request.token_ids_between(end, end + 1)[0]
+        following += row
+    return following
+
+
+def _draft_rows(
+    runs: dict[int, VerifiedRun],
+    requests: list[Request],
+    steps: list[StepRequest],
+    starts: list[int],
+) -> tuple[list[int], list[Request]]:
+    """The row of each drafted request's last emitted token, and those requests."""
+    rows, drafted = [], []
+    for i, run in runs.items():
+        request, step = requests[i], steps[i]
+        if drafts_after(request, step):
+            base = len(step.new_token_ids) - 1 - step.num_drafts
+            rows.append(starts[i] + base + len(run.token_ids) - 1)
+            drafted.append(request)
+    return rows, drafted
+
+
+def _by_id(runs: dict[int, VerifiedRun], requests: list[Request]) -> dict[str, VerifiedRun]:
+    return {requests[i].request_id: r for i, r in runs.items()}
 
 
 def drafts_after(request: Request, step: StepRequest) -> bool:

@@ -54,6 +54,9 @@ class DraftGraph:
     batch: ForwardBatch  # the static batch it was captured with
     hidden: torch.Tensor  # [size, hidden]: the MTP layer's output
     draft: torch.Tensor  # [size]: the MTP head's argmax
+    # Its attention reads the lengths and block tables from the static buffers, which
+    # ``fill`` writes (``AttentionKernel.reads_batch_index``): no ``prepare_replay``.
+    reads_batch_index: bool = False
 
 
 class DraftGraphRunner:
@@ -141,7 +144,8 @@ class DraftGraphRunner:
             graph, pool=owner.pool, stream=owner.stream, capture_error_mode=CAPTURE_ERROR_MODE
         ):
             hidden, draft = self._draft_step(fb)
-        self._graphs[size] = DraftGraph(graph, fb, hidden, draft)
+        reads_index = self.attn_backend.kernel(fb).reads_batch_index
+        self._graphs[size] = DraftGraph(graph, fb, hidden, draft, reads_index)
 
     def _draft_step(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         previous = self._buffers["previous_hidden"][: fb.num_tokens]
@@ -167,9 +171,10 @@ class DraftGraphRunner:
         captured = self._graphs[size]
         seq_lens = [p + 1 for p in positions]
         self.fill(size, input_ids, previous_hidden, positions, slots, seq_lens, block_ids)
-        self.attn_backend.prepare_replay(
-            size, self.padded_batch(captured.batch, seq_lens, block_ids)
-        )
+        if not captured.reads_batch_index:
+            self.attn_backend.prepare_replay(
+                size, self.padded_batch(captured.batch, seq_lens, block_ids)
+            )
         captured.graph.replay()
         return captured.hidden[:n], captured.draft[:n]
 
@@ -177,8 +182,10 @@ class DraftGraphRunner:
         """Replay ``size`` with every row padding: a rank without rows in a drafter pass
         the group replays (its MoE layer sends nothing and receives its share)."""
         self.fill(size, None, None, [], [], [], [])
-        self.attn_backend.prepare_replay(size, self.padded_batch(self._graphs[size].batch, [], []))
-        self._graphs[size].graph.replay()
+        captured = self._graphs[size]
+        if not captured.reads_batch_index:
+            self.attn_backend.prepare_replay(size, self.padded_batch(captured.batch, [], []))
+        captured.graph.replay()
 
     def fill(
         self,
