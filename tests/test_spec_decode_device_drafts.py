@@ -61,14 +61,18 @@ def record_steps(eng, scheduled_drafts: list[list[int]]) -> None:
 
 def read_back_at_once(eng) -> None:
     """The flow before device drafts: each step's drafts read back onto the requests as
-    it returns, their real ids in the next step's host inputs."""
+    it returns, their real ids in the next step's host inputs (as a decode worker's first
+    drafts come, from its prefill worker)."""
     step = eng.step
 
     def stepped():
         outputs = step()
-        if eng._pending_drafts is not None:
-            eng._pending_drafts.result()
-        eng._resolve_drafts()
+        pending, eng._pending_drafts = eng._pending_drafts, None
+        if pending is not None:
+            drafts = pending.result()
+            for request in pending.requests:
+                if request.status == RequestStatus.RUNNING:
+                    request.spec_token_ids = drafts[request.request_id]
         return outputs
 
     eng.step = stepped
@@ -162,3 +166,21 @@ def test_the_first_pass_is_queued_before_the_host_waits_for_the_runs(context_glm
         order[i - 1 : i + 2] == ["first_pass", "runs", "chain"] for i in verify_steps
     )
     assert tokens == generate(engine(context_glm), prompts()[:2])
+
+
+def test_drafts_read_back_are_not_held_for_the_next_step(context_glm):
+    """Drafts read back (a prefill worker sends them with the KV) have left the device:
+    the engine does not hold them for a next step to read there, even while a request
+    they were drafted for runs."""
+    eng = engine(context_glm, k=2)
+    request = eng.add_request("r0", prompts()[1], GREEDY)
+    eng.step()
+    pending = eng._pending_drafts
+    assert pending is not None and request.status == RequestStatus.RUNNING
+    eng._hold_drafts(pending)
+    assert eng._pending_drafts is pending  # on the device: held
+    pending.result()
+    eng._hold_drafts(pending)
+    assert eng._pending_drafts is None
+    eng.abort_request("r0")
+    assert_all_blocks_free(eng)

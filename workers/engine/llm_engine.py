@@ -585,9 +585,12 @@ class LLMEngine:
 
     def _hold_drafts(self, pending: PendingDrafts | None) -> None:
         """Hold a step's drafts for the next schedule while a request drafted for still
-        runs; else drop them, never read (an idle engine holds no device tensor)."""
-        running = pending is not None and any(
-            r.status == RequestStatus.RUNNING for r in pending.requests
+        runs; else drop them, never read (an idle engine holds no device tensor). Drafts
+        read back went out with their KV (a prefill worker's): none to hold."""
+        running = (
+            pending is not None
+            and not pending.read_back
+            and any(r.status == RequestStatus.RUNNING for r in pending.requests)
         )
         self._pending_drafts = pending if running else None
 
@@ -597,12 +600,6 @@ class LLMEngine:
         request's step by their number, the runner reads them on the device."""
         pending, self._pending_drafts = self._pending_drafts, None
         if pending is None:
-            return
-        if pending.read_back:  # read already (a prefill worker's, sent with its KV)
-            drafts = pending.result()
-            for request in pending.requests:
-                if request.status == RequestStatus.RUNNING:
-                    request.spec_token_ids = drafts[request.request_id]
             return
         k = pending.tokens.shape[1]
         for request in pending.requests:

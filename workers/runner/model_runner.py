@@ -265,8 +265,8 @@ class ModelRunner:
         graphs = self.decode_graphs if on_layer_stored is None else None
         replay = rows is not None and graphs is not None and graphs.can_run_steps(rows)
         group = self.group_step(steps, replay, num_draft_rows(batch.requests, steps))
-        sources = _draft_sources(steps, batch.requests, drafts)
-        on_device = drafts.tokens.view(-1) if any(i >= 0 for i in sources) else None
+        sources, fed = _draft_sources(steps, batch.requests, drafts)
+        on_device = drafts.tokens.view(-1) if fed else None
         target: ForwardBatch | list[StepRequest]
         if replay and (group is None or group.graph_size is not None):
             self.capture_graphs()
@@ -278,7 +278,8 @@ class ModelRunner:
             target = build_forward_batch(
                 steps, self.kv_cache, self.attn_backend, self.device, plan=False
             )
-            _feed_rows(target.input_ids, sources, on_device)
+            if fed:
+                _feed_rows(target.input_ids, fed, [sources[r] for r in fed], on_device)
             target.on_layer_stored = on_layer_stored  # the MTP layer's KV follows the target's
             hidden = self._counted_forward(target, group)
             input_ids = target.input_ids
@@ -462,42 +463,47 @@ def _feed_pending_tokens(
     previous: LaunchedStep | None,
 ) -> None:
     """Write the in-flight tokens of the previous step into ``fb.input_ids`` on the device."""
-    sources = []
+    rows, sources, end = [], [], 0
     for step, source in zip(steps, _pending_sources(steps, requests, previous)):
-        sources += [-1] * (len(step.new_token_ids) - 1) + [source]
-    if any(i >= 0 for i in sources):
-        _feed_rows(fb.input_ids, sources, previous.tokens.token_ids)
+        end += len(step.new_token_ids)
+        if source >= 0:
+            rows.append(end - 1)
+            sources.append(source)
+    if rows:
+        _feed_rows(fb.input_ids, rows, sources, previous.tokens.token_ids)
 
 
 def _draft_sources(
     steps: list[StepRequest], requests: list[Request], drafts: PendingDrafts | None
-) -> list[int]:
+) -> tuple[list[int], list[int]]:
     """For each row of the step, the index in ``drafts.tokens.view(-1)`` of the draft it
-    reads, for a draft still on the device (``PLACEHOLDER``); else -1."""
-    sources = []
+    reads (a draft still on the device: ``PLACEHOLDER``), else -1; and the rows that read
+    one. Only a step's trailing ``num_drafts`` rows can (drafts 0, 1, ...)."""
+    sources: list[int] = []
+    rows: list[int] = []
     for step, request in zip(steps, requests):
-        first = step.num_computed - request.num_tokens  # draft index of the step's row 0
-        for j, token in enumerate(step.new_token_ids):
+        n = len(step.new_token_ids)
+        sources += [-1] * (n - step.num_drafts)
+        for k, token in enumerate(step.new_token_ids[n - step.num_drafts :]):
             if token != PLACEHOLDER:
                 sources.append(-1)
-            elif drafts is None or drafts.tokens is None or first + j < 0:
+                continue
+            if drafts is None or drafts.tokens is None:
                 raise RuntimeError(
                     f"request {request.request_id!r} verifies a draft that is on no device"
                 )
-            else:
-                sources.append(drafts.source(request.request_id, first + j))
-    return sources
+            rows.append(len(sources))
+            sources.append(drafts.source(request.request_id, k))
+    return sources, rows
 
 
-def _feed_rows(input_ids: torch.Tensor, sources: list[int], tokens: torch.Tensor | None) -> None:
-    """``input_ids[i] = tokens[sources[i]]`` on the device, for each ``sources[i] >= 0``."""
-    rows = [i for i, s in enumerate(sources) if s >= 0]
-    if not rows:
-        return
-    picked = [sources[i] for i in rows]
-    dst, src = consecutive(rows), consecutive(picked)
+def _feed_rows(
+    input_ids: torch.Tensor, rows: list[int], sources: list[int], tokens: torch.Tensor
+) -> None:
+    """``input_ids[rows[i]] = tokens[sources[i]]`` on the device."""
+    dst, src = consecutive(rows), consecutive(sources)
     if dst is not None and src is not None:  # a steady decode: one copy, no index upload
         input_ids[dst].copy_(tokens[src])
         return
-    rows_t, sources_t = to_device([rows, picked], input_ids.device)
+    rows_t, sources_t = to_device([rows, sources], input_ids.device)
     input_ids[rows_t] = tokens[sources_t]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from splitserve.kernels import ops
 from splitserve.sampling_params import SamplingParams
 from splitserve.scheduler.request import Request
+from splitserve.workers.runner.host_copy import HostCopy
 from splitserve.workers.runner.input_batch import to_device
 from splitserve.workers.runner.pinned_ring import PinnedRing, PinnedSlot
 from splitserve.workers.sampling.logits_processors import (
@@ -103,26 +104,20 @@ class SampledTokens:
         self._host_tokens = host_tokens
         copied = token_ids if host_tokens is None else None
         tensors = [t for t in (copied, chosen, top_values, top_ids) if t is not None]
-        self._ready: torch.cuda.Event | None = None
-        if token_ids.is_cuda:
-            tensors = [t.to("cpu", non_blocking=True) for t in tensors]
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        self._copy = HostCopy(tensors, token_ids.device)
         if host_tokens is not None:
-            host_tokens.queued(self._ready)
-            tensors = [host_tokens.tensor, *tensors]
-        self._host = tensors
+            host_tokens.queued(self._copy.ready)
 
     def result(self) -> SamplerOutput:
         """Wait for the copies; the tokens and logprobs as host values."""
-        if self._ready is not None:
-            self._ready.synchronize()
+        host = self._copy.wait()
         if self._host_tokens is not None:
             self._host_tokens.check()
-        token_ids = self._host[0].tolist()
+            host = [self._host_tokens.tensor, *host]
+        token_ids = host[0].tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_ids)
         if self._logprob_rows:
-            chosen, top_values, top_ids = (t.tolist() for t in self._host[1:])
+            chosen, top_values, top_ids = (t.tolist() for t in host[1:])
             for j, i in enumerate(self._logprob_rows):
                 k = self._requests[i].sampling_params.logprobs
                 top = list(zip(top_ids[j][:k], top_values[j][:k]))

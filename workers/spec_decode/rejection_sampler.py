@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.scheduler.request import Request
+from splitserve.workers.runner.host_copy import HostCopy
 from splitserve.workers.runner.input_batch import to_device
 from splitserve.workers.sampling.sampler import Sampler, TokenLogprobs, filter_logits
 
@@ -63,18 +64,11 @@ class PendingRuns:
     ):
         self.emitted = emitted
         self._logits, self._counts, self._requests = logits, counts, requests
-        self._ready: torch.cuda.Event | None = None
-        if outcome.is_cuda:
-            outcome = outcome.to("cpu", non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        self._outcome = outcome
+        self._outcome = HostCopy([outcome], outcome.device)
 
     def result(self) -> list[VerifiedRun]:
         """Each request's run: its accepted drafts, then one more token (with logprobs)."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        accepted, emitted = self._outcome.tolist()
+        accepted, emitted = self._outcome.wait()[0].tolist()
         runs, start = [], 0
         for n in self._counts:
             a = 0

@@ -225,7 +225,10 @@ def _following(requests: list[Request], steps: list[StepRequest]) -> list[int]:
     following: list[int] = []
     for request, step in zip(requests, steps):
         ids = step.new_token_ids
-        row = [max(t, 0) for t in ids[1:]] + [0]
+        row = ids[1:] + [0]
+        if step.num_drafts:  # only the trailing drafts can be on the device alone
+            tail = len(row) - 1 - step.num_drafts
+            row[tail:] = [max(t, 0) for t in row[tail:]]
         if not step.sample:
             end = step.num_computed + len(ids)
             row[-1] = request.token_ids_between(end, end + 1)[0]
