@@ -553,3 +553,22 @@ def test_sse_stream_reports_a_failure_mid_stream():
         SSE_DONE,
     ]
     assert events[0].startswith('data: {"id":"req-1","object":"text_completion"')
+
+
+def test_intake_reads_then_accepts_and_counts_the_text_it_tokenizes():
+    from splitserve.cluster.openai_api.intake import RequestIntake, text_to_tokenize
+    from splitserve.config import RequestLimits
+
+    intake = RequestIntake(tiny_tokenizer(), 512, 1024, ("m",), RequestLimits())
+    ids = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": 2}).encode()
+    text = json.dumps({"prompt": "hello there", "max_tokens": 2}).encode()
+    chat = json.dumps({"messages": [{"role": "user", "content": "abc"}]}).encode()
+    assert text_to_tokenize(intake.read("completions", ids)) == 0
+    assert text_to_tokenize(intake.read("completions", text)) == len("hello there")
+    assert text_to_tokenize(intake.read("chat", chat)) == 3
+    read_then_accepted = intake.accept("completions", intake.read("completions", ids))
+    assert read_then_accepted.prompt_token_ids == intake.parse("completions", ids).prompt_token_ids
+    assert read_then_accepted.prompt_token_ids == [5, 6, 7]
+    with pytest.raises(OpenAIError) as e:  # ids checked by min/max, named by the slow path
+        intake.parse("completions", json.dumps({"prompt": [1, 600, -1]}).encode())
+    assert "600, -1" in e.value.message

@@ -1,8 +1,11 @@
 """A request body's bytes to what the engine takes, or an ``OpenAIError`` saying why not.
 
-``RequestIntake.parse`` is plain CPU work (JSON, validation, the chat template,
-tokenization); the ingress runs it off its event loop, so one large prompt does
-not hold up every other request. Cheap checks come first: the JSON shape, the
+``RequestIntake.parse`` is plain CPU work in two parts: ``read`` (JSON, the
+fields, the model name) and ``accept`` (the chat template, tokenization, the
+context). The ingress runs a part off its event loop when it is long (a large
+body, much text to tokenize: ``text_to_tokenize``), so one large prompt does not
+hold up every other request, and on the loop otherwise, where it costs less
+than the hand-off to a thread. Cheap checks come first: the JSON shape, the
 fields, then the prompt's character count against what the context could hold,
 and only then the tokenizer.
 """
@@ -56,9 +59,17 @@ class RequestIntake:
 
     def parse(self, kind: str, body: bytes) -> Intake:
         """``kind`` is "completions" or "chat"; raises OpenAIError (400, 404)."""
+        return self.accept(kind, self.read(kind, body))
+
+    def read(self, kind: str, body: bytes) -> CompletionRequest | ChatCompletionRequest:
+        """The body as the endpoint's request (JSON, fields, model name), not yet tokenized."""
         req = parse_request(kind, parse_json(body))
         if req.model is not None and req.model not in self.model_names:
             raise model_not_found(req.model, [self.model_names[0]])
+        return req
+
+    def accept(self, kind: str, req: CompletionRequest | ChatCompletionRequest) -> Intake:
+        """The prompt tokenized and checked against the context, and the sampling params."""
         if kind == "completions":
             text, ids = completion_prompt(req, self.tokenizer, self.vocab_size, self.max_chars)
         else:
@@ -67,6 +78,13 @@ class RequestIntake:
             raise context_length_exceeded(len(ids), self.max_model_len)
         params = req.to_sampling_params(self.max_model_len - len(ids), self.limits)
         return Intake(req, text, ids, params)
+
+
+def text_to_tokenize(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """The characters of text the prompt's tokenization reads (0 for token ids)."""
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.content or "") for m in req.messages)
+    return len(req.prompt) if isinstance(req.prompt, str) else 0
 
 
 def parse_json(body: bytes):

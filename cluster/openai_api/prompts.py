@@ -82,7 +82,7 @@ def _check_chars(num_chars: int, max_chars: int | None, param: str) -> None:
 def _check_token_ids(token_ids: list[int], vocab_size: int | None, param: str) -> None:
     if not token_ids:
         raise invalid_request("the prompt is empty: give at least one token", param)
-    if vocab_size is None:
+    if vocab_size is None or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
         return
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
