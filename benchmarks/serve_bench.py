@@ -253,8 +253,9 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
             t / e["output_throughput"] for t, e in zip(throughputs, engine["runs"])
         ]
         tpot = out["summary"]["tpot_ms"]["p50"]
-        if engine.get("decode_step_ms") and tpot:  # the decode GPU, served against alone
-            out["decode_step_vs_tpot"] = engine["decode_step_ms"] / tpot
+        token_ms = engine.get("decode_token_ms", engine.get("decode_step_ms"))
+        if token_ms and tpot:  # the decode GPU, served against alone, a token each
+            out["decode_step_vs_tpot"] = token_ms / tpot
     out["runs"] = runs
     return out
 

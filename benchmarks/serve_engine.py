@@ -18,8 +18,10 @@ the CPU or GPU. SPEC (written by ``engine_baseline``)::
   the point's figures are the median run's (by output tokens/s), with ``runs``;
 - decoding alone, for a closed-loop point: the first run's prompts all added, stepped
   until each has its first token, then ``DECODE_STEPS`` steps timed: the engine's
-  decode step at the point's batch (``decode_step_ms``, ``decode_batch``), what a
-  decode worker's served TPOT is compared with;
+  decode step at the point's batch (``decode_step_ms``, ``decode_batch``) and a
+  request's tokens a step (``decode_tokens_per_step``: above 1 with speculative
+  decoding), so ``decode_token_ms`` is what a decode worker's served TPOT is
+  compared with;
 - TTFT: one request at a time through the ``LLM``'s engine step loop
   (``llm.engine.add_request`` then ``step()``), from adding it to the step that
   returns its first token: back to back (``ttft_s``; a mixed worker at low load), and
@@ -30,6 +32,7 @@ the CPU or GPU. SPEC (written by ``engine_baseline``)::
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import subprocess
 import sys
@@ -105,15 +108,22 @@ def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
     while len(started) < len(prompts):
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     batch = len(engine.scheduler.running)
-    start = time.perf_counter()
+    start, tokens, rows = time.perf_counter(), 0, 0
     for _ in range(DECODE_STEPS):
-        engine.step()
+        rows += len(engine.scheduler.running)
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
     seconds = (time.perf_counter() - start) / DECODE_STEPS
     for i in range(len(prompts)):
         engine.abort_request(f"decode-{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    return {"decode_batch": batch, "decode_step_ms": seconds * 1e3}
+    per_step = tokens / max(rows, 1)  # a request's tokens a step: 1 + its accepted drafts
+    return {
+        "decode_batch": batch,
+        "decode_step_ms": seconds * 1e3,
+        "decode_tokens_per_step": per_step,
+        "decode_token_ms": seconds * 1e3 / max(per_step, 1e-9),
+    }
 
 
 def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> tuple[list, list]:
@@ -165,7 +175,10 @@ def main(spec_path: str, out_path: str) -> None:
     def llm_for(max_num_seqs: int | None):
         n = min(max_num_seqs or cap, cap)
         if n not in llms:
-            llms.clear()  # one engine at a time
+            llms.clear()  # one engine at a time: the last one's memory goes first
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             llms[n] = build_llm(engine, n)
             warm = spec["warmup"]
             run_point(llms[n], warm, [spec["max_tokens"]] * len(warm))
@@ -181,6 +194,7 @@ def main(spec_path: str, out_path: str) -> None:
             report["points"][point["label"]].update(
                 decode_step(llm, first["prompts"][:n], first["max_tokens"][:n])
             )
+        del llm  # held only by llm_for, which may replace it
     if spec.get("ttft"):
         llm, _ = llm_for(None)
         ttft = spec["ttft"]

@@ -43,7 +43,9 @@ def print_tables(report: dict) -> None:
                 latency.append([c["label"], p["label"], m[:-3].upper(), *s[m].values()])
             if "decode_step_vs_tpot" in p:
                 e = p["engine"]
+                per_step = e.get("decode_tokens_per_step", 1.0)
                 decode.append([c["label"], p["label"], e["decode_batch"], e["decode_step_ms"]])
+                decode[-1] += [per_step]
                 decode[-1] += [s["tpot_ms"]["p50"], p["decode_step_vs_tpot"]]
         if "low_load_ttft" in c:
             t = c["low_load_ttft"]
@@ -59,9 +61,12 @@ def print_tables(report: dict) -> None:
     print("\nLatency (ms):")
     roofline.print_table(["config", "load", "metric", "mean", "p50", "p90", "p99"], latency)
     if decode:
-        print("\nDecoding: the engine's decode step at the point's batch, alone, against the")
-        print("served TPOT p50 (step/TPOT: the decode GPU's served rate over its rate alone):")
-        columns = ["config", "load", "batch", "engine step ms", "served TPOT p50", "step/TPOT"]
+        print("\nDecoding: the engine's decode step at the point's batch, alone, a token each")
+        print("(the step over a request's tokens a step: above 1 with speculative decoding),")
+        print("against the served TPOT p50 (step/TPOT: the decode GPU's served rate over its")
+        print("rate alone):")
+        columns = ["config", "load", "batch", "engine step ms", "tokens a step"]
+        columns += ["served TPOT p50", "step/TPOT"]
         roofline.print_table(columns, decode)
     has_slo = args["slo_ttft_ms"] is not None or args["slo_tpot_ms"] is not None
     attained = [slo_rate(c) for c in report["configs"]] if has_slo else []

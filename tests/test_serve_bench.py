@@ -136,7 +136,11 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
         assert 0 <= s["goodput_fraction"] <= 1
         assert point["served_vs_engine"] > 0
         assert point["engine"]["output_tokens"] == num * max_tokens
-    assert config["engine_baseline"]["points"]["concurrency=2"]["max_num_seqs"] == 2
+    closed = config["engine_baseline"]["points"]["concurrency=2"]
+    assert closed["max_num_seqs"] == 2
+    # without drafts a decode step gives each request one token: the token's time is the step's
+    assert closed["decode_tokens_per_step"] == pytest.approx(1.0)
+    assert closed["decode_token_ms"] == pytest.approx(closed["decode_step_ms"])
     low = config["low_load_ttft"]
     assert low["requests"] == 2 and low["served"]["completed"] == 2
     assert low["engine_ttft_ms"]["p50"] > 0 and "added_p50_ms" in low
