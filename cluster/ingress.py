@@ -31,6 +31,7 @@ on until the deadline (``drain_timeout_s``), then end with "shutting down".
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -128,10 +129,17 @@ class OpenAIIngress:
         self._watcher = loop.create_task(self.workers.run(self.config.stats_period_s))
 
     def __serve_build_asgi_app__(self):
-        """Ray Serve calls this once the replica is built: the app behind the HTTP guards."""
-        return HttpGuard(self._asgi_app, self.config.http)
+        """Ray Serve calls this once the replica is built: the app behind the HTTP guards,
+        which hand the completions endpoints their requests directly."""
+        routes = {
+            ("POST", "/v1/completions"): functools.partial(self._serve_asgi, "completions"),
+            ("POST", "/v1/chat/completions"): functools.partial(self._serve_asgi, "chat"),
+        }
+        return HttpGuard(self._asgi_app, self.config.http, routes)
 
     # ---- endpoints ----------------------------------------------------------
+    # The two completions endpoints are served through ``_serve_asgi`` (the guard's
+    # routes); the app declares them for its OpenAPI document.
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -217,6 +225,10 @@ class OpenAIIngress:
         return self.config.to_dict()
 
     # ---- one request --------------------------------------------------------
+
+    async def _serve_asgi(self, kind: str, scope, receive, send) -> None:
+        response = await self._serve(kind, Request(scope, receive))
+        await response(scope, receive, send)
 
     async def _serve(self, kind: str, request: Request) -> Response:
         received = time.monotonic()  # the TTFT counts intake too

@@ -132,6 +132,30 @@ def test_an_unexpected_failure_is_a_500_in_openai_shape_without_detail():
     }  # fmt: skip
 
 
+def test_a_route_goes_to_its_handler_past_the_app_and_behind_the_guards():
+    async def direct(scope, receive, send):  # reads the body the guard read, as the app does
+        message = await receive()
+        body = json.dumps({"direct": len(message["body"])}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    async def failing(scope, receive, send):
+        raise RuntimeError("worker 10.0.0.7 died")
+
+    routes = {("POST", "/v1/completions"): direct, ("POST", "/v1/fail"): failing}
+    guard = HttpGuard(_app(), HttpConfig(api_key="k"), routes)
+    key = {"authorization": "Bearer k"}
+    assert call(guard, "POST", "/v1/completions", key, chunks=(b"{}",))[::2] == (
+        200,
+        b'{"direct": 2}',
+    )
+    assert call(guard, "POST", "/v1/completions", chunks=(b"{}",))[0] == 401  # still guarded
+    assert call(guard, "POST", "/v1/completions", {**key, "content-type": "text/plain"})[0] == 415
+    status, _, body = call(guard, "POST", "/v1/fail", key, chunks=(b"{}",))
+    assert status == 500 and "10.0.0.7" not in body.decode()
+    assert call(guard, "GET", "/health", key)[::2] == (200, b'{"status":"ok"}')  # the app's
+
+
 def test_http_keys_are_checked():
     with pytest.raises(ValueError, match="unknown config key 'http.api_keys'"):
         ServeConfig.from_dict({"http": {"api_keys": "x"}})
