@@ -56,8 +56,13 @@ class EventStreamResponse(Response):
         # waits; the headers go meanwhile (sent with the first event instead, they would
         # cross the proxy after it, on the TTFT's path).
         first_event = asyncio.ensure_future(anext(self.events, None))
-        await asyncio.sleep(0)  # the task runs up to its wait: the call is out
-        await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+        try:
+            await asyncio.sleep(0)  # the task runs up to its wait: the call is out
+            await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+        except BaseException:  # the iterator is the task's: it ends there before it closes
+            first_event.cancel()
+            await asyncio.gather(first_event, return_exceptions=True)
+            raise
         first = await first_event
         if first is not None:
             await send({"type": "http.response.body", "body": first.encode(), "more_body": True})

@@ -134,3 +134,27 @@ def test_a_cancel_from_outside_is_not_swallowed():
         return "returned"
 
     assert run(main()) == "cancelled"
+
+
+def test_a_failed_header_write_closes_the_generator_and_raises():
+    async def main():
+        client = Client()
+        closed = asyncio.Event()
+
+        async def events():
+            try:
+                await asyncio.sleep(30)
+                yield "data: never\n\n"
+            finally:
+                closed.set()
+
+        async def broken_send(message):
+            raise OSError("the connection is gone")
+
+        try:
+            await EventStreamResponse(events())({"type": "http"}, client.receive, broken_send)
+        except OSError:
+            return closed.is_set()
+        return "returned"
+
+    assert run(main()) is True
