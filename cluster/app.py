@@ -24,7 +24,8 @@ from splitserve.workers.engine.engine_client import SHUTDOWN_TIMEOUT_S
 # The ingress's handlers run on the replica's own event loop, the one its HTTP server
 # (direct ingress) runs on, not on a second loop in another thread: every streamed chunk
 # otherwise crosses between the two threads (a thread-safe queue and a loop wake-up
-# each). The handlers never block (parsing and tokenizing run in a thread).
+# each). The handlers never block long (a large body and long text are parsed and
+# tokenized in a thread).
 # A leaving ingress replica behind HAProxy stays reachable this long before it closes its
 # listener (Ray Serve's default is 30 s, for load balancers to deregister it). Ray Serve's
 # HAProxy retries a refused connection on another replica, and ``splitserve serve`` drains

@@ -1,7 +1,8 @@
 """The OpenAPI document of the ingress: request bodies and error responses described.
 
-The ingress's endpoints read the raw body (``intake.py`` parses it off the event
-loop), so FastAPI cannot infer their bodies; ``describe(app)`` makes the app's
+The ingress's endpoints read the raw body (``intake.py`` parses it, a large one
+off the event loop) and are served past FastAPI (``http_guard.py``'s routes), so
+FastAPI cannot infer their bodies; ``describe(app)`` makes the app's
 ``/openapi.json`` name each endpoint's request model and its OpenAI-shaped errors.
 """
 
