@@ -43,10 +43,9 @@ def print_tables(report: dict) -> None:
                 latency.append([c["label"], p["label"], m[:-3].upper(), *s[m].values()])
             if "decode_step_vs_tpot" in p:
                 e = p["engine"]
-                per_step = e.get("decode_tokens_per_step", 1.0)
-                decode.append([c["label"], p["label"], e["decode_batch"], e["decode_step_ms"]])
-                decode[-1] += [per_step]
-                decode[-1] += [s["tpot_ms"]["p50"], p["decode_step_vs_tpot"]]
+                row = [c["label"], p["label"], e["decode_batch"], e["decode_step_ms"]]
+                row += [e.get("decode_tokens_per_step", 1.0), s["tpot_ms"]["p50"]]
+                decode.append([*row, p["decode_step_vs_tpot"]])
         if "low_load_ttft" in c:
             t = c["low_load_ttft"]
             served, engine = t["served_ttft_ms"], t.get("engine_ttft_ms") or {}

@@ -53,7 +53,7 @@ from splitserve.cluster.openai_api import (
     response_builder,
     sse_stream,
 )
-from splitserve.cluster.openai_api.intake import RequestIntake, text_to_tokenize
+from splitserve.cluster.openai_api.intake import RequestIntake
 from splitserve.cluster.openai_api.openapi import describe
 from splitserve.cluster.serve_config import ServeConfig
 from splitserve.cluster.sse_response import EventStreamResponse
@@ -80,11 +80,6 @@ MAX_ATTEMPTS = 2  # a worker failure before the first token is retried once
 MAX_BUSY_RETRIES = 16  # workers answering Overloaded (their load reports lagged)
 DRAIN_RETRY_AFTER_S = 5  # Retry-After of the 503s while draining
 SHUTTING_DOWN = "the server is shutting down"
-# Parsed on the event loop, not in a thread (the hand-off costs 0.3-0.6 ms): bodies up to
-# INLINE_READ_BYTES (a 2048-token prompt's ids, about 13 KB, read and checked in 0.2 ms),
-# and tokenizing up to INLINE_TOKENIZE_CHARS of text (about 0.4 ms).
-INLINE_READ_BYTES = 32 * 1024
-INLINE_TOKENIZE_CHARS = 1024
 
 
 def _with_cause(message: str, first_failure: str | None) -> str:
@@ -264,18 +259,8 @@ class OpenAIIngress:
         return JSONResponse(builder.response())
 
     async def _validate(self, kind: str, request: Request):
-        # The body is read (and its size checked) by the HTTP guard. What is cheap is
-        # parsed here; a large body or much text to tokenize off the event loop, which
-        # every stream shares.
-        body = await request.body()
-        if len(body) > INLINE_READ_BYTES:
-            intake = await asyncio.to_thread(self.intake.parse, kind, body)
-        else:
-            req = self.intake.read(kind, body)
-            if text_to_tokenize(req) > INLINE_TOKENIZE_CHARS:
-                intake = await asyncio.to_thread(self.intake.accept, kind, req)
-            else:
-                intake = self.intake.accept(kind, req)
+        # The body is read (and its size checked) by the HTTP guard.
+        intake = await self.intake.parse_async(kind, await request.body())
         return intake.request, intake.prompt_text, intake.prompt_token_ids, intake.params
 
     async def _generate(

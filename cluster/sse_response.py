@@ -28,8 +28,6 @@ HEADERS = [
 
 
 class EventStreamResponse(Response):
-    media_type = "text/event-stream"
-
     def __init__(self, events: AsyncIterator[str]):
         # Response's own body and headers are not used: __call__ writes both.
         super().__init__(status_code=200)
@@ -63,12 +61,10 @@ class EventStreamResponse(Response):
             first_event.cancel()
             await asyncio.gather(first_event, return_exceptions=True)
             raise
-        first = await first_event
-        if first is not None:
-            await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
-            async for event in self.events:
-                body = event.encode()
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+        event = await first_event
+        while event is not None:
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            event = await anext(self.events, None)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

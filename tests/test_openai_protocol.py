@@ -572,3 +572,33 @@ def test_intake_reads_then_accepts_and_counts_the_text_it_tokenizes():
     with pytest.raises(OpenAIError) as e:  # ids checked by min/max, named by the slow path
         intake.parse("completions", json.dumps({"prompt": [1, 600, -1]}).encode())
     assert "600, -1" in e.value.message
+
+
+def test_parse_async_takes_a_thread_only_for_a_large_body_or_long_text(monkeypatch):
+    from splitserve.cluster.openai_api import intake as intake_module
+    from splitserve.config import RequestLimits
+
+    handed_off = []
+    real_to_thread = asyncio.to_thread
+
+    async def counting_to_thread(fn, *args):
+        handed_off.append(fn.__name__)
+        return await real_to_thread(fn, *args)
+
+    monkeypatch.setattr(intake_module.asyncio, "to_thread", counting_to_thread)
+    intake = intake_module.RequestIntake(tiny_tokenizer(), 512, 100_000, ("m",), RequestLimits())
+
+    def parse(body: dict):
+        handed_off.clear()
+        result = asyncio.run(intake.parse_async("completions", json.dumps(body).encode()))
+        return result.prompt_token_ids, list(handed_off)
+
+    ids = [7] * 2048  # about 6 KB of JSON: read and checked on the event loop
+    assert parse({"prompt": ids, "max_tokens": 1}) == (ids, [])
+    many = [7] * 20_000  # over INLINE_READ_BYTES: the whole parse in a thread
+    assert parse({"prompt": many, "max_tokens": 1}) == (many, ["parse"])
+    short, hops = parse({"prompt": "a b", "max_tokens": 1})
+    assert hops == [] and short == tiny_tokenizer().encode("a b")
+    long_text = "a " * 600  # over INLINE_TOKENIZE_CHARS: read here, tokenized in a thread
+    tokens, hops = parse({"prompt": long_text, "max_tokens": 1})
+    assert hops == ["accept"] and tokens == tiny_tokenizer().encode(long_text)

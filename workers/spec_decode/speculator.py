@@ -139,8 +139,7 @@ class Speculator:
                 drafts = self.proposer.propose(*args, draft_rows, draft_graphs, group)
                 return PendingDrafts(drafted, drafts)
 
-            result = SpeculativeResult(runs=_by_id(runs, requests), deferred_drafts=draft)
-            return result
+            return SpeculativeResult(runs=_by_id(runs, requests), deferred_drafts=draft)
         first = self.proposer.first_pass(*args, draft_graphs, group)
         runs = emission.runs()  # waits for the verification, not for the first pass
         draft_rows, drafted = _draft_rows(runs, requests, steps, starts)
