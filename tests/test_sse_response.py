@@ -28,6 +28,18 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def stalled(closed: asyncio.Event, *first: str):
+    """Events ``first``, then a wait only a cancel ends; ``closed`` set when the generator
+    closes (where the ingress aborts the request on its workers)."""
+    try:
+        for event in first:
+            yield event
+        await asyncio.sleep(30)
+        yield "data: never\n\n"
+    finally:
+        closed.set()
+
+
 def test_the_call_goes_out_before_the_headers_and_events_follow_in_order():
     async def main():
         client = Client()
@@ -68,16 +80,7 @@ def test_a_disconnect_cancels_the_stream_and_closes_its_generator():
     async def main():
         client = Client()
         closed = asyncio.Event()
-
-        async def events():
-            try:
-                yield "data: 1\n\n"
-                await asyncio.sleep(30)  # a long wait: only the disconnect ends it
-                yield "data: never\n\n"
-            finally:
-                closed.set()  # where the ingress aborts the request on its workers
-
-        response = EventStreamResponse(events())
+        response = EventStreamResponse(stalled(closed, "data: 1\n\n"))
         task = asyncio.create_task(response({"type": "http"}, client.receive, client.send))
         await asyncio.sleep(0.01)
         client.disconnect.set()
@@ -92,17 +95,9 @@ def test_a_disconnect_cancels_the_stream_and_closes_its_generator():
 def test_a_disconnect_before_the_first_event_closes_the_generator():
     async def main():
         client = Client()
-        closed = asyncio.Event()
-
-        async def events():
-            try:
-                await asyncio.sleep(30)  # the prompt is still computing
-                yield "data: never\n\n"
-            finally:
-                closed.set()
-
+        closed = asyncio.Event()  # the prompt is still computing
         task = asyncio.create_task(
-            EventStreamResponse(events())({"type": "http"}, client.receive, client.send)
+            EventStreamResponse(stalled(closed))({"type": "http"}, client.receive, client.send)
         )
         await asyncio.sleep(0.01)
         client.disconnect.set()
@@ -118,13 +113,8 @@ def test_a_cancel_from_outside_is_not_swallowed():
     async def main():
         client = Client()
 
-        async def events():
-            await asyncio.sleep(30)
-            yield "data: never\n\n"
-
-        task = asyncio.create_task(
-            EventStreamResponse(events())({"type": "http"}, client.receive, client.send)
-        )
+        response = EventStreamResponse(stalled(asyncio.Event()))
+        task = asyncio.create_task(response({"type": "http"}, client.receive, client.send))
         await asyncio.sleep(0.01)
         task.cancel()  # the server shutting down, say
         try:
@@ -141,18 +131,12 @@ def test_a_failed_header_write_closes_the_generator_and_raises():
         client = Client()
         closed = asyncio.Event()
 
-        async def events():
-            try:
-                await asyncio.sleep(30)
-                yield "data: never\n\n"
-            finally:
-                closed.set()
-
         async def broken_send(message):
             raise OSError("the connection is gone")
 
         try:
-            await EventStreamResponse(events())({"type": "http"}, client.receive, broken_send)
+            response = EventStreamResponse(stalled(closed))
+            await response({"type": "http"}, client.receive, broken_send)
         except OSError:
             return closed.is_set()
         return "returned"
