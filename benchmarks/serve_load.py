@@ -327,6 +327,15 @@ def latency_stats(seconds: list[float]) -> dict[str, float | None]:
     return {"mean": float(ms.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
+def meets_slo(r: RequestResult, ttft_ms: float | None, tpot_ms: float | None) -> bool:
+    """Goodput's test of one request: completed, TTFT and TPOT within the SLOs given (an
+    SLO not given is met; a request of one token has no TPOT and meets any TPOT SLO)."""
+    if not r.ok:
+        return False
+    ttft_ok = ttft_ms is None or 1e3 * r.ttft_s <= ttft_ms
+    return ttft_ok and (tpot_ms is None or r.tpot_s is None or 1e3 * r.tpot_s <= tpot_ms)
+
+
 def summarize(
     results: list[RequestResult],
     duration_s: float,
@@ -336,13 +345,7 @@ def summarize(
     """One load point's figures. Goodput: completed requests whose TTFT and TPOT meet
     the SLOs given (an SLO not given is met), per second and as a share of all sent."""
     ok = [r for r in results if r.ok]
-
-    def good(r: RequestResult) -> bool:
-        ttft_ok = slo_ttft_ms is None or 1e3 * r.ttft_s <= slo_ttft_ms
-        tpot_ok = slo_tpot_ms is None or r.tpot_s is None or 1e3 * r.tpot_s <= slo_tpot_ms
-        return ttft_ok and tpot_ok
-
-    num_good = sum(good(r) for r in ok)
+    num_good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in ok)
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     output = sum(r.output_tokens for r in ok)
     errors = sorted({r.error for r in results if not r.ok})

@@ -3,11 +3,13 @@
 The report is a dict: ``workload``, ``arguments``, ``environment`` and one entry a
 config with its ``points`` (each with ``summary``, the median run's figures, and
 ``runs``), ``engine_baseline`` and ``low_load_ttft``. ``write_json`` puts each
-request's record on one line; ``plot`` needs matplotlib and is skipped without it.
+request's record on one line, ``read_json`` reads it back; ``plot`` needs matplotlib
+and is skipped without it. ``slo_grid``: the SLO attainment map (``slo_grid.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import math
@@ -16,8 +18,9 @@ from pathlib import Path
 
 try:
     import roofline
+    import serve_load
 except ImportError:  # imported as benchmarks.serve_report (the tests)
-    from benchmarks import roofline
+    from benchmarks import roofline, serve_load
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
@@ -161,11 +164,156 @@ GOOD_SHARE = 0.9  # a rate is attained when this share of its requests meets the
 def slo_rate(config: dict) -> float | None:
     """The highest open-loop rate at which ``GOOD_SHARE`` of requests met the SLO
     (DistServe's SLO attainment), or None without rate points or SLOs."""
-    rates = [p for p in config["points"] if p["mode"] == "rate" and p["value"] != math.inf]
+    rates = rate_points(config)
     if not rates:
         return None
     good = [p["value"] for p in rates if p["summary"]["goodput_fraction"] >= GOOD_SHARE]
     return max(good, default=0.0)
+
+
+def rate_points(config: dict) -> list[dict]:
+    """The open-loop points at a finite rate (``inf`` comes back from the JSON as None),
+    by rate."""
+    rates = [p for p in config["points"] if p["mode"] == "rate"]
+    return sorted(
+        (p for p in rates if p["value"] not in (None, math.inf)), key=lambda p: p["value"]
+    )
+
+
+def summary_run(point: dict) -> dict:
+    """The run behind a point's ``summary``: its median run (``serve_bench.run_point``)."""
+    for run in point["runs"]:
+        if run["summary"] == point["summary"]:
+            return run
+    raise ValueError(
+        f"point {point['label']}: none of its {len(point['runs'])} runs has its summary"
+    )
+
+
+REQUEST_FIELDS = {f.name for f in dataclasses.fields(serve_load.RequestResult)}
+
+
+def request_results(records: list[dict]) -> list[serve_load.RequestResult]:
+    """A run's request records back as ``RequestResult`` (fields it does not know dropped)."""
+    return [
+        serve_load.RequestResult(**{k: v for k, v in r.items() if k in REQUEST_FIELDS})
+        for r in records
+    ]
+
+
+def attainment(results: list, ttft_ms: float | None, tpot_ms: float | None) -> float:
+    """The share of the sent requests that met both SLOs: ``summarize``'s goodput_fraction."""
+    good = sum(serve_load.meets_slo(r, ttft_ms, tpot_ms) for r in results)
+    return good / len(results) if results else 0.0
+
+
+def slo_grid(
+    report: dict, ttft_ms_values: list[float], tpot_ms_values: list[float], share=GOOD_SHARE
+) -> dict:
+    """The SLO attainment map: per config and (TTFT, TPOT) SLO pair, the highest rate
+    swept at which ``share`` of the sent requests met both (the point's median run), like
+    ``slo_rate``; None when no rate passed. ``capped``: it passed at the highest rate swept,
+    so the figure is a lower bound. ``ratio``: the first config's rate over the second's."""
+    pairs = [(ttft, tpot) for tpot in tpot_ms_values for ttft in ttft_ms_values]
+    configs = [config_grid(c, pairs, share) for c in report["configs"]]
+    grid = {"workload": report["workload"], "share": share, "ttft_ms": list(ttft_ms_values)}
+    grid.update(tpot_ms=list(tpot_ms_values), configs=configs)
+    if len(configs) >= 2:
+        grid["ratio"] = ratio_grid(*configs[:2])
+    return grid
+
+
+def config_grid(config: dict, pairs: list[tuple[float, float]], share: float) -> dict:
+    points = rate_points(config)
+    results = [request_results(summary_run(p)["requests"]) for p in points]
+    swept = [
+        {"rate": p["value"], "sent": len(r), "source": p.get("source")}
+        for p, r in zip(points, results)
+    ]
+    cells = []
+    for ttft, tpot in pairs:
+        passed = [p["value"] for p, r in zip(points, results) if attainment(r, ttft, tpot) >= share]
+        rate = max(passed, default=None)
+        capped = rate is not None and rate == points[-1]["value"]
+        cells.append({"ttft_ms": ttft, "tpot_ms": tpot, "rate": rate, "capped": capped})
+    return {"label": config["label"], "points": swept, "cells": cells}
+
+
+RATIO_BOUNDS = {  # (first capped, second capped): what the ratio of the rates is
+    (False, False): "exact",
+    (True, False): "lower",  # the first config might pass at a higher rate
+    (False, True): "upper",
+    (True, True): "none",
+}
+
+
+def ratio_grid(first: dict, second: dict) -> dict:
+    """Per SLO pair, the first config's rate over the second's, when both have one."""
+    cells = []
+    for a, b in zip(first["cells"], second["cells"]):
+        cell = {"ttft_ms": a["ttft_ms"], "tpot_ms": a["tpot_ms"], "ratio": None, "bound": None}
+        if a["rate"] is not None and b["rate"] is not None:
+            cell.update(ratio=a["rate"] / b["rate"], bound=RATIO_BOUNDS[a["capped"], b["capped"]])
+        cells.append(cell)
+    return {"of": [first["label"], second["label"]], "cells": cells}
+
+
+def print_slo_grid(grid: dict) -> None:
+    """A table per config (rows: TPOT SLO, columns: TTFT SLO) and one of the ratio."""
+    print(f"\nLoad: {grid['workload']}.")
+    print(f"SLO attainment: the highest open-loop rate (req/s) at which >= {grid['share']:.0%} of")
+    print("the sent requests met both the TTFT and the TPOT SLO (each point's median run);")
+    print(">=R: it passed at the highest rate swept, R is a lower bound; -: no rate passed.")
+    for c in grid["configs"]:
+        print(f"\n{c['label']}: {sweep_text(c['points'])}")
+        _print_cells(grid, c["cells"], lambda cell: _bounded(cell["rate"], ">=" * cell["capped"]))
+    if "ratio" in grid:
+        first, second = grid["ratio"]["of"]
+        print(f"\n{first} over {second} (rate over rate; >=: {first} passed at its highest")
+        print(f"rate swept, a lower bound; <=: {second} did, an upper bound; ?: both did):")
+        marks = {"exact": "", "lower": ">=", "upper": "<=", "none": "?", None: ""}
+        cells = grid["ratio"]["cells"]
+        _print_cells(grid, cells, lambda cell: _bounded(cell["ratio"], marks[cell["bound"]], 2))
+
+
+def _print_cells(grid: dict, cells: list[dict], text) -> None:
+    columns = ["TPOT SLO", *(f"TTFT {t:g} ms" for t in grid["ttft_ms"])]
+    width = len(grid["ttft_ms"])
+    rows = [
+        [f"{tpot:g} ms", *(text(c) for c in cells[i * width : (i + 1) * width])]
+        for i, tpot in enumerate(grid["tpot_ms"])
+    ]
+    roofline.print_table(columns, rows)
+
+
+def _bounded(value: float | None, mark: str, digits: int | None = None) -> str:
+    if value is None:
+        return "-"
+    return mark + (f"{value:.{digits}f}" if digits is not None else f"{value:g}")
+
+
+def sweep_text(points: list[dict]) -> str:
+    """The rates swept, grouped by the file they came from and the requests each sent."""
+    groups: list[tuple[tuple, list[float]]] = []
+    for p in points:
+        key = (p["sent"], p["source"])
+        if groups and groups[-1][0] == key:
+            groups[-1][1].append(p["rate"])
+        else:
+            groups.append((key, [p["rate"]]))
+    parts = [
+        f"rates {', '.join(f'{r:g}' for r in rates)} ({sent} requests a point"
+        + (f", {source})" if source else ")")
+        for (sent, source), rates in groups
+    ]
+    return "; ".join(parts) or "no open-loop rates"
+
+
+def read_json(path: Path) -> dict:
+    """A report as ``write_json`` wrote it (gzipped when ``path`` ends in ``.gz``)."""
+    path = Path(path)
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
 
 
 def write_json(path: Path, report: dict) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import serve_bench, serve_engine, serve_process, serve_report
+from benchmarks import serve_bench, serve_engine, serve_process, serve_report, slo_grid
 from benchmarks.serve_load import RequestResult, random_prompts, read_prompts_file, summarize
 
 
@@ -101,6 +101,150 @@ def test_goodput_counts_requests_meeting_both_slos():
     assert s["ttft_ms"]["p50"] == pytest.approx(100) and s["tpot_ms"]["mean"] == pytest.approx(40)
     assert s["errors"] == ["HTTP 503: overloaded"]
     assert summarize(results, 2.0)["goodput_fraction"] == 0.75  # no SLO: every completed one
+
+
+def _request(ttft_ms: float, tpot_ms: float, tokens: int = 11) -> RequestResult:
+    return _result(ttft_ms, ttft_ms + tpot_ms * (tokens - 1), tokens)
+
+
+def _one_token(ttft_ms: float) -> RequestResult:
+    """A completed request of a single token: no TPOT, so it meets any TPOT SLO."""
+    return RequestResult(1, ok=True, ttft_s=ttft_ms / 1e3, e2e_s=ttft_ms / 1e3, output_tokens=1)
+
+
+def _point(value, *runs: list[RequestResult], mode: str = "rate") -> dict:
+    """A report's point; its summary is the last run's (standing in for the median run)."""
+    runs_out = [
+        {
+            "summary": summarize(results, duration_s=i + 1.0),
+            "requests": [r.record() for r in results],
+        }
+        for i, results in enumerate(runs)
+    ]
+    label = f"{mode}={value}"
+    return {
+        "mode": mode,
+        "value": value,
+        "label": label,
+        "summary": runs_out[-1]["summary"],
+        "runs": runs_out,
+    }
+
+
+FAILED = RequestResult(11, error="HTTP 503: overloaded")
+
+
+def _grid_report() -> dict:
+    """Two configs at 2, 4 and 8 req/s, 10 requests a point, against TTFT 20/100/500 ms and
+    TPOT 10/20 ms. pd: 2 meets all but TTFT 20; 4 meets TPOT 20 only, 9 of 10 (its summary
+    run; the other run meets nothing); 8 meets TTFT 500 + TPOT 20 only. co: 2 meets TPOT 10
+    with 9 of 10 because a one-token request has no TPOT; 4 has 2 requests over TTFT 100; 8
+    meets nothing. A burst (None: inf in the JSON) and a closed-loop point meet everything
+    and must not count."""
+    fast = [_request(50, 5)] * 10
+    pd = [
+        _point(2, fast),
+        _point(4, [_request(900, 5)] * 10, [_request(50, 15)] * 9 + [FAILED]),
+        _point(8, [_request(300, 15)] * 9 + [_request(50, 5)]),
+        _point(None, fast),
+        _point(64, fast, mode="concurrency"),
+    ]
+    co = [
+        _point(2, [_request(50, 5)] * 8 + [_one_token(50), _request(50, 15)]),
+        _point(4, [_request(50, 15)] * 8 + [_request(400, 15)] * 2),
+        _point(8, [_request(600, 5)] * 10),
+    ]
+    workload = "random token ids (a simulated load shape): input 64, output 11"
+    return {
+        "workload": workload,
+        "configs": [{"label": "pd", "points": pd}, {"label": "co", "points": co}],
+    }
+
+
+def _cells(config: dict, key: str = "rate") -> dict:
+    return {(c["ttft_ms"], c["tpot_ms"]): c[key] for c in config["cells"]}
+
+
+def test_slo_grid_gives_the_highest_rate_each_slo_pair_attains():
+    grid = serve_report.slo_grid(_grid_report(), [20, 100, 500], [10, 20], share=0.9)
+    assert grid["workload"].startswith("random token ids (a simulated load shape)")
+    pd, co = grid["configs"]
+    assert [p["rate"] for p in pd["points"]] == [2, 4, 8]  # no burst, no closed loop
+    assert _cells(pd) == {
+        (20, 10): None, (100, 10): 2, (500, 10): 2,
+        (20, 20): None, (100, 20): 4, (500, 20): 8,
+    }  # fmt: skip
+    assert [k for k, capped in _cells(pd, "capped").items() if capped] == [(500, 20)]
+    assert _cells(co) == {
+        (20, 10): None, (100, 10): 2, (500, 10): 2,
+        (20, 20): None, (100, 20): 2, (500, 20): 4,
+    }  # fmt: skip
+    assert not any(_cells(co, "capped").values())
+    ratio = grid["ratio"]
+    assert ratio["of"] == ["pd", "co"]
+    assert _cells(ratio, "ratio") == {
+        (20, 10): None, (100, 10): 1.0, (500, 10): 1.0,
+        (20, 20): None, (100, 20): 2.0, (500, 20): 2.0,
+    }  # fmt: skip
+    bounds = _cells(ratio, "bound")
+    assert (bounds[100, 20], bounds[500, 20], bounds[20, 20]) == ("exact", "lower", None)
+    # the second config capped: an upper bound; both: no bound
+    first = {
+        "label": "a",
+        "cells": [{"ttft_ms": 1, "tpot_ms": 1, "rate": 4, "capped": c} for c in (False, True)],
+    }
+    second = {"label": "b", "cells": [{"ttft_ms": 1, "tpot_ms": 1, "rate": 8, "capped": True}] * 2}
+    cells = serve_report.ratio_grid(first, second)["cells"]
+    assert [(c["ratio"], c["bound"]) for c in cells] == [(0.5, "upper"), (0.5, "none")]
+
+
+def test_slo_attainment_is_summarize_goodput_fraction():
+    results = [_request(50, 5), _one_token(50), _request(50, 15), _request(300, 5), FAILED]
+    records = serve_report.request_results([r.record() for r in results])
+    for ttft, tpot in ((100, 10), (500, 10), (100, 20), (None, 10), (100, None)):
+        expected = summarize(results, 1.0, ttft, tpot)["goodput_fraction"]
+        assert serve_report.attainment(records, ttft, tpot) == expected
+    assert serve_report.attainment(records, 100, 10) == 0.4  # the fast one and the one token
+
+
+def test_slo_grid_command_merges_sweeps_split_across_reports(tmp_path, capsys):
+    """Rates 2 and 4 in one file, 4 and 8 in a later one: one curve a config; the later
+    file's rate 4 (meeting nothing) replaces the earlier one's."""
+    report = _grid_report()
+    pd, co = (
+        [p for p in c["points"] if p["mode"] == "rate" and p["value"]] for c in report["configs"]
+    )
+    low = {
+        "workload": report["workload"],
+        "configs": [{"label": "pd", "points": pd[:2]}, {"label": "co", "points": co[:2]}],
+    }
+    pd_high = [_point(4, [_request(900, 5)] * 10), pd[2]]
+    high = {
+        "workload": report["workload"],
+        "configs": [{"label": "co", "points": co[2:]}, {"label": "pd", "points": pd_high}],
+    }
+    first, second, out = tmp_path / "low.json.gz", tmp_path / "high.json", tmp_path / "grid.json"
+    serve_report.write_json(first, low)
+    serve_report.write_json(second, high)
+    slo_grid.main(
+        [str(first), str(second), "--ttft-ms", "100", "500", "--tpot-ms", "20", "--json", str(out)]
+    )
+    grid = json.loads(out.read_text())
+    pd_grid, co_grid = grid["configs"]  # in the order first seen
+    assert [(p["rate"], Path(p["source"]).name) for p in pd_grid["points"]] == [
+        (2, "low.json.gz"), (4, "high.json"), (8, "high.json")
+    ]  # fmt: skip
+    assert [p["rate"] for p in co_grid["points"]] == [2, 4, 8]
+    assert _cells(pd_grid) == {(100, 20): 2, (500, 20): 8}  # 4 is the later file's
+    assert _cells(pd_grid, "capped") == {(100, 20): False, (500, 20): True}
+    assert _cells(co_grid) == {(100, 20): 2, (500, 20): 4}
+    assert _cells(grid["ratio"], "ratio") == {(100, 20): 1.0, (500, 20): 2.0}
+    assert grid["replaced"] == [f"pd rate 4: {second} replaces {first}"]
+    printed = capsys.readouterr().out
+    assert f"pd rate 4: {second} replaces {first} (the later file wins)" in printed
+    assert "Load: random token ids (a simulated load shape): input 64, output 11." in printed
+    assert "| 20 ms    | 2           | >=8         |" in printed  # pd
+    assert "| 20 ms    | 1.00        | >=2.00      |" in printed  # pd over co
 
 
 @pytest.mark.slow

@@ -1,0 +1,58 @@
+"""The HTTP floor benchmark's echo app: what it streams, and one timed run through its
+bare uvicorn front (the HAProxy front needs Ray and HAProxy: run on the GPU machines)."""
+
+import asyncio
+import json
+
+from benchmarks import http_floor
+
+
+def _call(path: str, body: dict) -> list[dict]:
+    sent: list[dict] = []
+    incoming = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path}
+    asyncio.run(http_floor.echo_app(scope, receive, send))
+    return sent
+
+
+def test_echo_streams_max_tokens_chunks_then_done():
+    sent = _call("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 3, "stream": True})
+    assert sent[0]["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+    bodies = [m["body"] for m in sent[1:]]
+    chunks = [json.loads(b[len(b"data: ") :]) for b in bodies[:-1]]
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[1], [2], [3]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert bodies[-1] == b"data: [DONE]\n\n" and sent[-1]["more_body"] is False
+
+
+def test_echo_answers_other_paths_empty():
+    sent = _call("/health", {})
+    assert sent[0]["status"] == 200 and sent[1]["body"] == b""
+
+
+def test_bare_front_is_timed_with_the_benchmark_client():
+    report = http_floor.main(
+        [
+            "--fronts",
+            "bare",
+            "--requests",
+            "4",
+            "--warmup",
+            "1",
+            "--input-len",
+            "16",
+            "--output-len",
+            "5",
+        ]
+    )
+    figures = report["fronts"]["bare"]
+    assert figures["completed"] == 4
+    assert 0 < figures["ttft_ms"]["p50"] <= figures["e2e_ms"]["p50"]
