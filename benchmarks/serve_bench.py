@@ -18,6 +18,10 @@ prefix-cache hits between points), the same across configs; ``--prompts-file``
 gives real ones (the same every point: later points may hit the prefix cache,
 counted as ``cached_prompt_tokens``).
 
+``--json`` is also written after each stage (the engine alone, the low-load TTFT,
+each load point), marked ``"partial": true``: a run cut short (a ``timeout`` around
+it) keeps what it measured; the last write has no mark.
+
 ``--repeat N`` runs each point N times on new prompts; a point's figures are
 its median run's (by output tokens/s), every run is in the JSON.
 
@@ -42,6 +46,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import functools
 import time
 from pathlib import Path
 
@@ -150,7 +155,10 @@ def run(url: str, specs, mode: str, value: float, args, seed: str):
     )
 
 
-def bench_target(args, config: Path | None, url: str | None) -> dict:
+def bench_target(args, config: Path | None, url: str | None, progress=None) -> dict:
+    """One config's (or URL's) figures; ``progress(out)`` after each stage (the engine
+    alone, the low-load TTFT, each load point) with what is measured so far."""
+    progress = progress or (lambda out: None)
     values = (yaml.safe_load(config.read_text()) or {}) if config else {}
     engine = dict(values.get("engine") or {})
     if args.model:
@@ -176,6 +184,7 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
         )
         baseline = out["engine_baseline"] = serve_engine.engine_baseline(spec)
         baseline["cpu"] = warn_if_busy(probe.stop(), "during the engine baseline")
+        progress(out)
     if url:
         target = contextlib.nullcontext(url)
     else:
@@ -192,7 +201,11 @@ def bench_target(args, config: Path | None, url: str | None) -> dict:
             out["low_load_ttft"] = low_load_report(results, seconds, baseline)
             split = serve_report.ttft_split(before, settled_ttft_samples(base))
             out["low_load_ttft"]["split"] = split
-        out["points"] = [run_point(args, out["label"], base, p, baseline) for p in points]
+            progress(out)
+        out["points"] = []
+        for point in points:
+            out["points"].append(run_point(args, out["label"], base, point, baseline))
+            progress(out)
         out["forwards"] = settled_forwards(base)  # graph hits
     return out
 
@@ -341,6 +354,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_partial(path: Path, report: dict, config: dict) -> None:
+    """The report so far, ``config`` (the one running) last, marked ``partial``: a run cut
+    short (a ``timeout`` around it) keeps what it measured."""
+    serve_report.write_json(
+        path, {**report, "configs": [*report["configs"], config], "partial": True}
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     command = roofline.command_line("serve_bench.py", ("--json", "--plot"))
@@ -364,7 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
         else [(args.config[0] if args.config else None, args.url.rstrip("/"))]
     )
     for config, url in targets:
-        report["configs"].append(bench_target(args, config, url))
+        progress = functools.partial(write_partial, args.json, report) if args.json else None
+        report["configs"].append(bench_target(args, config, url, progress))
         report["configs"][-1]["slo_rate"] = serve_report.slo_rate(report["configs"][-1])
     serve_report.print_tables(report)
     if args.json:

@@ -260,6 +260,7 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     )
     assert "splitserve: serving" in (tmp_path / "server.log").read_text()
     report = json.loads(out.read_text())
+    assert "partial" not in report  # the partial reports written on the way are replaced
     assert "random token ids" in report["workload"]
     assert report["environment"]["commit"]
     (config,) = report["configs"]
@@ -303,6 +304,16 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     assert forwards.get(("prefill", "prefill", "eager"), 0) >= 1, forwards
     assert forwards.get(("decode", "decode", "eager"), 0) >= max_tokens - 1, forwards
     assert {how for _, _, how in forwards} == {"eager"}
+
+
+def test_a_partial_report_holds_the_finished_configs_and_the_running_one(tmp_path):
+    path = tmp_path / "r.json"
+    report = {"workload": "w", "configs": [{"label": "a", "points": [1]}]}
+    serve_bench.write_partial(path, report, {"label": "b", "points": []})
+    written = json.loads(path.read_text())
+    assert written["partial"] is True
+    assert [c["label"] for c in written["configs"]] == ["a", "b"]
+    assert [c["label"] for c in report["configs"]] == ["a"]  # the report itself is unchanged
 
 
 def test_a_point_reports_its_median_run():
