@@ -3,11 +3,14 @@ bare uvicorn front (the HAProxy front needs Ray and HAProxy: run on the GPU mach
 
 import asyncio
 import json
+import time
+
+import pytest
 
 from benchmarks import http_floor
 
 
-def _call(path: str, body: dict) -> list[dict]:
+def _call(path: str, body: dict, query: bytes = b"") -> list[dict]:
     sent: list[dict] = []
     incoming = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
 
@@ -17,7 +20,7 @@ def _call(path: str, body: dict) -> list[dict]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path}
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": query}
     asyncio.run(http_floor.echo_app(scope, receive, send))
     return sent
 
@@ -38,21 +41,20 @@ def test_echo_answers_other_paths_empty():
     assert sent[0]["status"] == 200 and sent[1]["body"] == b""
 
 
+def test_echo_waits_the_delay_asked_before_its_first_chunk():
+    start = time.monotonic()
+    sent = _call("/v1/completions", {"max_tokens": 1}, b"delay_ms=30")
+    assert time.monotonic() - start >= 0.030
+    assert sent[0]["status"] == 200 and len(sent) == 3  # headers, one chunk, [DONE]
+
+
 def test_bare_front_is_timed_with_the_benchmark_client():
-    report = http_floor.main(
-        [
-            "--fronts",
-            "bare",
-            "--requests",
-            "4",
-            "--warmup",
-            "1",
-            "--input-len",
-            "16",
-            "--output-len",
-            "5",
-        ]
-    )
-    figures = report["fronts"]["bare"]
-    assert figures["completed"] == 4
-    assert 0 < figures["ttft_ms"]["p50"] <= figures["e2e_ms"]["p50"]
+    argv = ["--fronts", "bare", "--requests", "4", "--warmup", "1", "--input-len", "16"]
+    report = http_floor.main([*argv, "--output-len", "5", "--delay-ms", "0", "20"])
+    quick, paused = report["points"]
+    assert (quick["front"], quick["delay_ms"], paused["delay_ms"]) == ("bare", 0, 20)
+    assert quick["completed"] == paused["completed"] == 4
+    assert 0 < quick["ttft_ms"]["p50"] <= quick["e2e_ms"]["p50"]
+    # the floor is the TTFT less the delay: the first chunk never comes before it
+    assert paused["ttft_ms"]["p50"] >= 20
+    assert paused["floor_ms"]["p50"] == pytest.approx(paused["ttft_ms"]["p50"] - 20)
