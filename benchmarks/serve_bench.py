@@ -3,7 +3,7 @@
     python benchmarks/serve_bench.py --config configs/serve/default.yaml [--config ...]
         [--input-len 64 --output-len 64 | --prompts-file F.jsonl] [--num-prompts 128]
         [--request-rate 1 4 inf] [--max-concurrency 1 16 64]
-        [--slo-ttft-ms 200 --slo-tpot-ms 20] [--engine-baseline] [--low-load-ttft 20]
+        [--slo-ttft-ms 200 --slo-tpot-ms 20] [--engine-baseline] [--low-load-ttft 20 [--http-floor]]
         [--json PATH] [--plot PATH.png]
     python benchmarks/serve_bench.py --url http://host:8000 [--config ITS_CONFIG] ...
 
@@ -36,7 +36,10 @@ worker sees them) and on a prefill worker's duty cycle (idle while the request
 decodes elsewhere; "idle" columns): a disaggregated route's prefill worker computes
 each prompt after idling, which on its own makes it slower. From the server's
 ``/metrics``, where the TTFT went per route: the engine's queue and prefill, the
-serving path's share.
+serving path's share. ``--http-floor`` then times an echo app that does no model work
+behind the same Ray Serve and HAProxy (``http_floor.py``), on the same prompts, its
+first chunk after the engine's own TTFT: the HTTP stack's floor under the low-load
+TTFT, and what the serving path adds over it.
 """
 
 from __future__ import annotations
@@ -53,13 +56,14 @@ from pathlib import Path
 import yaml
 
 try:
+    import http_floor
     import roofline
     import serve_engine
     import serve_load
     import serve_process as sp
     import serve_report
 except ImportError:  # imported as benchmarks.serve_bench (the tests)
-    from benchmarks import roofline, serve_engine, serve_load, serve_report
+    from benchmarks import http_floor, roofline, serve_engine, serve_load, serve_report
     from benchmarks import serve_process as sp
 
 DEFAULT_VOCAB_SIZE = 256  # below the tiny presets' 512, for servers whose model is unknown
@@ -207,7 +211,30 @@ def bench_target(args, config: Path | None, url: str | None, progress=None) -> d
             out["points"].append(run_point(args, out["label"], base, point, baseline))
             progress(out)
         out["forwards"] = settled_forwards(base)  # graph hits
+    if args.http_floor and low_load:  # the server is gone: its CPUs are free again
+        out["low_load_ttft"].update(floor_report(values, warmup + low_load, len(warmup), out))
+        progress(out)
     return out
+
+
+def floor_report(values: dict, specs, warmup: int, out: dict) -> dict:
+    """The HTTP floor under the low-load TTFT (``http_floor.py``): the echo app behind the
+    same Ray Serve and HAProxy, the same prompts, its first chunk after the engine's own
+    TTFT (the engine alone's p50, else the served engine's queue and prefill)."""
+    proxy = (values.get("http") or {}).get("proxy", "haproxy")
+    if proxy != "haproxy":
+        return {"http_floor": None, "http_floor_note": f"not measured for http.proxy: {proxy}"}
+    low = out["low_load_ttft"]
+    engine = (low.get("engine_ttft_ms") or {}).get("p50")
+    if engine is None:
+        split = next(iter(low.get("split", {}).values()), {})
+        engine = split.get("engine queue", 0.0) + split.get("engine prefill", 0.0)
+    print(f"[{out['label']}] HTTP floor: an echo app, first chunk after {engine:.2f} ms ...")
+    with http_floor.haproxy_front(120.0) as url:
+        floor = http_floor.measure(url, specs, warmup, round(engine, 3))
+    added = low.get("added_p50_ms")
+    over = added - floor["floor_ms"]["p50"] if added is not None else None
+    return {"http_floor": floor, "added_over_floor_p50_ms": over}
 
 
 def settled(read, period_s: float, timeout_s: float):
@@ -335,6 +362,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-threads", type=int, help="torch threads of the engine alone")
     p.add_argument("--low-load-ttft", type=int, default=0, metavar="N", help="N requests, 1 by 1")
     p.add_argument("--no-token-ids", action="store_true", help="don't ask for return_token_ids")
+    p.add_argument(
+        "--http-floor",
+        action="store_true",
+        help="with --low-load-ttft: after the server stops, time an echo app behind the same "
+        "HTTP stack on the same prompts (http_floor.py): the TTFT added over that floor",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a read may wait")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--server-log", type=Path, help="append the started servers' output here")
@@ -347,6 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--repeat {args.repeat}: must be >= 1")
     if args.url and len(args.config) > 1:
         p.error("--url takes at most one --config (the engine: section of that server)")
+    if args.http_floor and (args.url or not args.low_load_ttft):
+        p.error("--http-floor needs --low-load-ttft and a --config started here (not --url)")
     if any(c < 1 for c in args.max_concurrency or []) or any(
         not r > 0 for r in args.request_rate or []
     ):

@@ -56,6 +56,8 @@ def print_tables(report: dict) -> None:
             low.append([c["label"], t["requests"], served["p50"], engine.get("p50")])
             low[-1] += [t.get("added_p50_ms"), idle.get("p50"), t.get("added_p50_idle_ms")]
             low[-1] += [served["p90"], engine.get("p90")]
+            floor = (t.get("http_floor") or {}).get("floor_ms") or {}
+            low[-1] += [floor.get("p50"), t.get("added_over_floor_p50_ms")]
     columns = ["config", "load", "runs", "out tok/s range", "done", "failed", "s", "req/s"]
     columns += ["out tok/s", "total tok/s"]
     columns += ["good req/s", "good frac", "engine out tok/s", "served/eng"]
@@ -78,10 +80,12 @@ def print_tables(report: dict) -> None:
         roofline.print_table(["config", "req/s"], rows)
     if low:
         print("\nTTFT at low load, one request at a time (ms); the engine alone back to back,")
-        print("and idle as a prefill worker is while the request decodes elsewhere (idle):")
+        print("and idle as a prefill worker is while the request decodes elsewhere (idle);")
+        print("with --http-floor, an echo app's TTFT less its wait behind the same HTTP stack")
+        print("(HTTP floor) and what the serving path adds over it (added over floor):")
         columns = ["config", "requests", "served p50", "engine p50", "added p50"]
-        columns += ["engine idle p50", "added vs idle p50"]
-        roofline.print_table(columns + ["served p90", "engine p90"], low)
+        columns += ["engine idle p50", "added vs idle p50", "served p90", "engine p90"]
+        roofline.print_table(columns + ["HTTP floor p50", "added over floor"], low)
     split = [
         [c["label"], route, t["requests"], c["low_load_ttft"]["served"]["ttft_ms"]["mean"]]
         + [t.get(part) for part in TTFT_PARTS]

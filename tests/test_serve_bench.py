@@ -255,7 +255,15 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
         ["--config", str(serve_process.default_config_path()), "--input-len", "40"]
         + ["--output-len", str(max_tokens), "--num-prompts", str(num), "--warmup", "2"]
         + ["--max-concurrency", "2", "--request-rate", "50", "--engine-baseline"]
-        + ["--low-load-ttft", "2", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000"]
+        + [
+            "--low-load-ttft",
+            "2",
+            "--http-floor",
+            "--slo-ttft-ms",
+            "60000",
+            "--slo-tpot-ms",
+            "60000",
+        ]
         + ["--json", str(out), "--server-log", str(tmp_path / "server.log")]
     )
     assert "splitserve: serving" in (tmp_path / "server.log").read_text()
@@ -290,6 +298,15 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     assert low["requests"] == 2 and low["served"]["completed"] == 2
     assert low["engine_ttft_ms"]["p50"] > 0 and "added_p50_ms" in low
     assert low["engine_idle_ttft_ms"]["p50"] > 0 and "added_p50_idle_ms" in low
+    # the HTTP floor: an echo app behind the same HTTP stack, first chunk after the engine's
+    # own TTFT (its p50 alone), on the same two prompts
+    floor = low["http_floor"]
+    assert floor["completed"] == 2
+    assert floor["delay_ms"] == pytest.approx(low["engine_ttft_ms"]["p50"], abs=1e-3)
+    assert floor["ttft_ms"]["p50"] >= floor["delay_ms"] and floor["floor_ms"]["p50"] > 0
+    assert low["added_over_floor_p50_ms"] == pytest.approx(
+        low["added_p50_ms"] - floor["floor_ms"]["p50"]
+    )
     # where those two TTFTs went, from /metrics: the ingress's TTFT is the prefill
     # engine's queue and prefill and the serving path; the client's holds it
     split = low["split"]["disaggregated"]
