@@ -3,6 +3,7 @@
 # (each under 10 minutes). Logs (the server's too), JSON and plots go to OUT_DIR.
 #   pd     Qwen3-8B shape, one prefill + one decode worker, against the engine alone on
 #          one GPU (same prompts, same run), a rate sweep and the low-load TTFT split
+#          with the HTTP floor under it
 #   mixed  the same on two mixed workers
 #   high   1P1D, 1P1D with conditional disaggregation at a lower backlog, and two mixed
 #          workers at 12-20 req/s: where one prefill GPU caps 1P1D
@@ -24,7 +25,7 @@ qwen() {  # qwen NAME CONFIG [ARGS...]: the issue's sweep of one config
   shift 2
   step "$name" 580 python benchmarks/serve_bench.py --config "$config" --input-len 2048 \
     --output-len 256 --num-prompts 96 --max-concurrency 96 --request-rate 4 6 8 10 12 \
-    --low-load-ttft 10 --slo-ttft-ms 1000 --slo-tpot-ms 25 "$@" \
+    --low-load-ttft 10 --http-floor --slo-ttft-ms 1000 --slo-tpot-ms 25 "$@" \
     --json "$out/$name.json.gz" --plot "$out/$name.png" --server-log "$out/$name.server.log"
 }
 case $part in
