@@ -212,17 +212,30 @@ def attainment(results: list, ttft_ms: float | None, tpot_ms: float | None) -> f
 
 
 def slo_grid(
-    report: dict, ttft_ms_values: list[float], tpot_ms_values: list[float], share=GOOD_SHARE
+    report: dict,
+    ttft_ms_values: list[float],
+    tpot_ms_values: list[float],
+    share=GOOD_SHARE,
+    ratio_of: tuple[str, str] | None = None,
 ) -> dict:
     """The SLO attainment map: per config and (TTFT, TPOT) SLO pair, the highest rate
     swept at which ``share`` of the sent requests met both (the point's median run), like
     ``slo_rate``; None when no rate passed. ``capped``: it passed at the highest rate swept,
-    so the figure is a lower bound. ``ratio``: the first config's rate over the second's."""
+    so the figure is a lower bound. ``ratio``: the rate of ``ratio_of``'s first config label
+    over its second's (the report's first two configs by default)."""
     pairs = [(ttft, tpot) for tpot in tpot_ms_values for ttft in ttft_ms_values]
     configs = [config_grid(c, pairs, share) for c in report["configs"]]
     grid = {"workload": report["workload"], "share": share, "ttft_ms": list(ttft_ms_values)}
     grid.update(tpot_ms=list(tpot_ms_values), configs=configs)
-    if len(configs) >= 2:
+    by_label = {c["label"]: c for c in configs}
+    if ratio_of is not None:
+        missing = [label for label in ratio_of if label not in by_label]
+        if missing:
+            raise ValueError(
+                f"no config labelled {missing[0]!r}: the reports have {list(by_label)}"
+            )
+        grid["ratio"] = ratio_grid(by_label[ratio_of[0]], by_label[ratio_of[1]])
+    elif len(configs) >= 2:
         grid["ratio"] = ratio_grid(*configs[:2])
     return grid
 

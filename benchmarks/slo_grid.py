@@ -8,7 +8,8 @@ swept at which ``--share`` of the sent requests met both SLOs, from each rate
 point's per-request records (its median run, the run behind its summary), the
 test the benchmark's goodput uses (``serve_load.meets_slo``). A table per config
 (rows: TPOT SLO, columns: TTFT SLO) and one of the first config's rate over the
-second's (PD against colocated when given in that order). A rate that passes at
+second's (PD against colocated when given in that order; ``--ratio A B`` picks the
+pair by config label). A rate that passes at
 the highest rate swept is a lower bound (``>=``; ``capped`` in the JSON). The
 load is the reports' workload, printed above the tables (random token ids: a
 simulated load shape).
@@ -60,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-ms", type=float, nargs="+", required=True, help="TTFT SLOs (columns)")
     p.add_argument("--tpot-ms", type=float, nargs="+", required=True, help="TPOT SLOs (rows)")
     p.add_argument("--share", type=float, default=serve_report.GOOD_SHARE, help="attained at")
+    p.add_argument(
+        "--ratio",
+        nargs=2,
+        metavar=("A", "B"),
+        help="the ratio table of config A's rate over B's (default: the first two configs)",
+    )
     p.add_argument("--json", type=Path, help="write the grid here (gzipped for .gz)")
     args = p.parse_args(argv)
     if not 0 < args.share <= 1:
@@ -70,7 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     merged = merge([(str(path), serve_report.read_json(path)) for path in args.reports])
-    grid = serve_report.slo_grid(merged, args.ttft_ms, args.tpot_ms, args.share)
+    ratio_of = tuple(args.ratio) if args.ratio else None
+    try:
+        grid = serve_report.slo_grid(merged, args.ttft_ms, args.tpot_ms, args.share, ratio_of)
+    except ValueError as e:
+        raise SystemExit(f"slo_grid.py: {e}") from None
     grid["replaced"] = merged["replaced"]
     for line in merged["replaced"]:
         print(f"{line} (the later file wins)")

@@ -198,6 +198,14 @@ def test_slo_grid_gives_the_highest_rate_each_slo_pair_attains():
     assert [(c["ratio"], c["bound"]) for c in cells] == [(0.5, "upper"), (0.5, "none")]
 
 
+def test_slo_grid_ratio_of_a_chosen_pair_by_label():
+    grid = serve_report.slo_grid(_grid_report(), [100], [20], share=0.9, ratio_of=("co", "pd"))
+    assert grid["ratio"]["of"] == ["co", "pd"]
+    assert _cells(grid["ratio"], "ratio") == {(100, 20): 0.5}
+    with pytest.raises(ValueError, match="no config labelled 'mixed'"):
+        serve_report.slo_grid(_grid_report(), [100], [20], ratio_of=("pd", "mixed"))
+
+
 def test_slo_attainment_is_summarize_goodput_fraction():
     results = [_request(50, 5), _one_token(50), _request(50, 15), _request(300, 5), FAILED]
     records = serve_report.request_results([r.record() for r in results])
