@@ -161,23 +161,38 @@ def haproxy_front(timeout_s: float):
             return echo_app
 
     run_dir = Path(tempfile.mkdtemp(prefix="http-floor-"))
-    saved = dict(os.environ)
-    os.environ.update(front_environment(ServeConfig(), run_dir))
-    port = free_port()
-    ray.init(namespace="http-floor", log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(EchoFront.bind(), name="http-floor", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(f"{url}/health", timeout_s)
-        yield url
+        with _environment(front_environment(ServeConfig(), run_dir)):
+            ray.init(namespace="http-floor", log_to_driver=False)
+            try:
+                port = free_port()
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                serve.run(EchoFront.bind(), name="http-floor", route_prefix="/")
+                url = f"http://127.0.0.1:{port}"
+                wait_ready(f"{url}/health", timeout_s)
+                yield url
+            finally:
+                with contextlib.suppress(Exception):
+                    serve.shutdown()
+                ray.shutdown()
     finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``values`` in this process's environment (the Ray instance started here inherits
+    them), each key as it was afterwards."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # --- the measurement ------------------------------------------------------------------

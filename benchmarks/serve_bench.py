@@ -225,16 +225,23 @@ def floor_report(values: dict, specs, warmup: int, out: dict) -> dict:
     if proxy != "haproxy":
         return {"http_floor": None, "http_floor_note": f"not measured for http.proxy: {proxy}"}
     low = out["low_load_ttft"]
-    engine = (low.get("engine_ttft_ms") or {}).get("p50")
-    if engine is None:
-        split = next(iter(low.get("split", {}).values()), {})
-        engine = split.get("engine queue", 0.0) + split.get("engine prefill", 0.0)
-    print(f"[{out['label']}] HTTP floor: an echo app, first chunk after {engine:.2f} ms ...")
+    wait = engine_ttft_ms(low)
+    print(f"[{out['label']}] HTTP floor: an echo app, first chunk after {wait:.2f} ms ...")
     with http_floor.haproxy_front(120.0) as url:
-        floor = http_floor.measure(url, specs, warmup, round(engine, 3))
+        floor = http_floor.measure(url, specs, warmup, wait)
     added = low.get("added_p50_ms")
     over = added - floor["floor_ms"]["p50"] if added is not None else None
     return {"http_floor": floor, "added_over_floor_p50_ms": over}
+
+
+def engine_ttft_ms(low_load: dict) -> float:
+    """The engine's own TTFT at low load: the engine alone's p50, else the served engine's
+    queue and prefill (means, from ``/metrics``; 0 without either)."""
+    engine = (low_load.get("engine_ttft_ms") or {}).get("p50")
+    if engine is None:
+        split = next(iter(low_load.get("split", {}).values()), {})
+        engine = split.get("engine queue", 0.0) + split.get("engine prefill", 0.0)
+    return round(engine, 3)
 
 
 def settled(read, period_s: float, timeout_s: float):

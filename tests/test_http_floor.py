@@ -1,8 +1,10 @@
-"""The HTTP floor benchmark's echo app: what it streams, and one timed run through its
-bare uvicorn front (the HAProxy front needs Ray and HAProxy: run on the GPU machines)."""
+"""The HTTP floor benchmark's echo app: what it streams, how long it waits, one timed run
+through its bare uvicorn front, and the environment its Ray front sets and restores (that
+front itself runs in ``test_serve_bench.py``'s run with ``--http-floor``)."""
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -58,3 +60,13 @@ def test_bare_front_is_timed_with_the_benchmark_client():
     # the floor is the TTFT less the delay: the first chunk never comes before it
     assert paused["ttft_ms"]["p50"] >= 20
     assert paused["floor_ms"]["p50"] == pytest.approx(paused["ttft_ms"]["p50"] - 20)
+
+
+def test_the_ray_fronts_environment_is_restored_key_by_key(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_FLOOR_KEPT", "before")
+    monkeypatch.delenv("SPLITSERVE_FLOOR_NEW", raising=False)
+    values = {"SPLITSERVE_FLOOR_KEPT": "during", "SPLITSERVE_FLOOR_NEW": "during"}
+    with http_floor._environment(values):
+        assert os.environ["SPLITSERVE_FLOOR_KEPT"] == os.environ["SPLITSERVE_FLOOR_NEW"] == "during"
+    assert os.environ["SPLITSERVE_FLOOR_KEPT"] == "before"
+    assert "SPLITSERVE_FLOOR_NEW" not in os.environ

@@ -256,9 +256,19 @@ def test_slo_grid_command_merges_sweeps_split_across_reports(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_serve_bench_against_the_embedded_default(tmp_path):
+def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     num, max_tokens = 4, 8
+    stages = []  # what each partial report held when it was written
+
+    def spy(path, report, config):
+        low = config.get("low_load_ttft") or {}
+        stages.append(("engine_baseline" in config, len(config.get("points", [])), bool(low)))
+        stages[-1] += ("http_floor" in low,)
+        write_partial(path, report, config)
+
+    write_partial = serve_bench.write_partial
+    monkeypatch.setattr(serve_bench, "write_partial", spy)
     serve_bench.main(
         ["--config", str(serve_process.default_config_path()), "--input-len", "40"]
         + ["--output-len", str(max_tokens), "--num-prompts", str(num), "--warmup", "2"]
@@ -277,6 +287,14 @@ def test_serve_bench_against_the_embedded_default(tmp_path):
     assert "splitserve: serving" in (tmp_path / "server.log").read_text()
     report = json.loads(out.read_text())
     assert "partial" not in report  # the partial reports written on the way are replaced
+    # one partial report a stage: the engine alone, the low-load TTFT, each point, the floor
+    assert stages == [
+        (True, 0, False, False),
+        (True, 0, True, False),
+        (True, 1, True, False),
+        (True, 2, True, False),
+        (True, 2, True, True),
+    ]
     assert "random token ids" in report["workload"]
     assert report["environment"]["commit"]
     (config,) = report["configs"]
@@ -339,6 +357,28 @@ def test_a_partial_report_holds_the_finished_configs_and_the_running_one(tmp_pat
     assert written["partial"] is True
     assert [c["label"] for c in written["configs"]] == ["a", "b"]
     assert [c["label"] for c in report["configs"]] == ["a"]  # the report itself is unchanged
+
+
+def test_the_floors_wait_is_the_engines_own_ttft():
+    alone = {"engine_ttft_ms": {"p50": 12.34567}, "split": {"local_mixed": {}}}
+    assert serve_bench.engine_ttft_ms(alone) == 12.346
+    split = {"split": {"disaggregated": {"engine queue": 0.25, "engine prefill": 40.5}}}
+    assert serve_bench.engine_ttft_ms(split) == 40.75  # no engine alone: the served engine's
+    assert serve_bench.engine_ttft_ms({}) == 0.0
+
+
+def test_the_floor_is_not_measured_behind_another_proxy():
+    out = {"label": "c", "low_load_ttft": {"added_p50_ms": 3.0}}
+    floor = serve_bench.floor_report({"http": {"proxy": "serve"}}, [], 0, out)
+    assert floor == {"http_floor": None, "http_floor_note": "not measured for http.proxy: serve"}
+
+
+def test_http_floor_needs_a_low_load_run_started_here():
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--http-floor"])
+    with pytest.raises(SystemExit):
+        serve_bench.parse_args(["--url", "http://x:1", "--low-load-ttft", "2", "--http-floor"])
+    assert serve_bench.parse_args(["--low-load-ttft", "2", "--http-floor"]).http_floor
 
 
 def test_a_point_reports_its_median_run():
