@@ -62,8 +62,9 @@ try:
     import serve_load
     import serve_process as sp
     import serve_report
+    import serve_steps
 except ImportError:  # imported as benchmarks.serve_bench (the tests)
-    from benchmarks import http_floor, roofline, serve_engine, serve_load, serve_report
+    from benchmarks import http_floor, roofline, serve_engine, serve_load, serve_report, serve_steps
     from benchmarks import serve_process as sp
 
 DEFAULT_VOCAB_SIZE = 256  # below the tiny presets' 512, for servers whose model is unknown
@@ -264,6 +265,11 @@ def settled_forwards(url: str) -> list[dict]:
     return settled(lambda: serve_report.forwards(sp.metric_values(url)), 1.0, 10.0)
 
 
+def settled_step_times(url: str) -> list[dict]:
+    """The engines' step counters (``serve_steps.py``) once their reports caught up."""
+    return settled(lambda: serve_steps.step_times(sp.metric_values(url)), 0.5, 10.0)
+
+
 def settled_ttft_samples(url: str) -> dict[str, float]:
     """The ingress's TTFT histograms once every ingress replica's post is in."""
     return settled(lambda: serve_report.ttft_samples(sp.metric_values(url)), 0.5, 5.0)
@@ -273,7 +279,10 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
     """Each repetition on its own prompts; the figures are the median run's (by output
     tokens/s), each run's are in ``runs``."""
     runs = []
+    engine = (baseline or {}).get("points", {}).get(point.label)
+    decode_alone = engine if engine and "decode_step_ms" in engine else None
     for i, specs in enumerate(point.runs):
+        steps_before = settled_step_times(url) if decode_alone else None
         before, probe = sp.route_counts(url), sp.CpuProbe()
         results, seconds = run(url, specs, point.mode, point.value, args, f"{point.label}/{i}")
         cpu, after = warn_if_busy(probe.stop(), f"during {point.label}"), sp.route_counts(url)
@@ -281,6 +290,8 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
         routes = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
         requests = [r.record() for r in results]
         runs.append({"summary": summary, "routes": routes, "cpu": cpu, "requests": requests})
+        if decode_alone:  # the engines' own steps over the run
+            runs[-1]["steps"] = serve_steps.difference(steps_before, settled_step_times(url))
         print(
             f"[{label}] {point.label} run {i + 1}/{len(point.runs)}: {summary['completed']}/"
             f"{summary['sent']} done in {seconds:.2f} s, {summary['output_throughput']:.0f} "
@@ -290,9 +301,15 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
         )
     throughputs = [r["summary"]["output_throughput"] for r in runs]
     out = {"mode": point.mode, "value": point.value, "label": point.label}
-    out["summary"] = runs[median_index(throughputs)]["summary"]
+    median = runs[median_index(throughputs)]
+    out["summary"] = median["summary"]
     out["output_throughput_runs"] = throughputs
-    engine = (baseline or {}).get("points", {}).get(point.label)
+    if decode_alone:
+        out["decode_steps"] = serve_steps.decode_at_batch(median["steps"], decode_alone)
+        out["loop_time"] = {
+            pool: serve_steps.decode_share(median["steps"], pool)
+            for pool in sorted({r["pool"] for r in median["steps"]})
+        }
     if engine:
         out["engine"] = {k: v for k, v in engine.items() if k != "runs"}
         out["served_vs_engine"] = out["summary"]["output_throughput"] / engine["output_throughput"]

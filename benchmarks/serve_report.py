@@ -30,7 +30,7 @@ def print_tables(report: dict) -> None:
     print(f"\nPrompts: {report['workload']}; {args['num_prompts']} requests a load point.")
     slo = f"TTFT <= {args['slo_ttft_ms']} ms, TPOT <= {args['slo_tpot_ms']} ms (None: no SLO)"
     print(f"Goodput: completed requests meeting {slo}.\n")
-    rows, latency, low, decode = [], [], [], []
+    rows, latency, low, decode, steps = [], [], [], [], []
     for c in report["configs"]:
         for p in c["points"]:
             s = p["summary"]
@@ -49,6 +49,8 @@ def print_tables(report: dict) -> None:
                 row = [c["label"], p["label"], e["decode_batch"], e["decode_step_ms"]]
                 row += [e.get("decode_tokens_per_step", 1.0), s["tpot_ms"]["p50"]]
                 decode.append([*row, p["decode_step_vs_tpot"]])
+            if p.get("decode_steps"):
+                steps.append([c["label"], p["label"], *decode_step_row(p)])
         if "low_load_ttft" in c:
             t = c["low_load_ttft"]
             served, engine = t["served_ttft_ms"], t.get("engine_ttft_ms") or {}
@@ -72,6 +74,13 @@ def print_tables(report: dict) -> None:
         columns = ["config", "load", "batch", "engine step ms", "tokens a step"]
         columns += ["served TPOT p50", "step/TPOT"]
         roofline.print_table(columns, decode)
+    if steps:
+        print("\nThe decode GPU's decode-only steps, as its engine loop timed them (the step")
+        print("and its outputs sent), at the engine alone's batch, against the engine alone's")
+        print("step there; the loop's time by step kind over the run (prefill/mixed/decode):")
+        columns = ["config", "load", "pool", "batch", "steps", "mean batch", "served ms"]
+        columns += ["alone batch", "alone ms", "served tok/s", "alone tok/s", "served/alone"]
+        roofline.print_table(columns + ["loop time p/m/d"], steps)
     has_slo = args["slo_ttft_ms"] is not None or args["slo_tpot_ms"] is not None
     attained = [slo_rate(c) for c in report["configs"]] if has_slo else []
     if any(r is not None for r in attained):
@@ -104,6 +113,17 @@ def print_tables(report: dict) -> None:
         roofline.print_table(columns, forwards)
 
 
+def decode_step_row(point: dict) -> list:
+    """A load point's served decode steps against the engine alone's (``serve_steps``)."""
+    d = point["decode_steps"]
+    row = [d["pool"], f"<={d['batch_bucket']}", d["steps"], d["mean_batch"], d["step_ms"]]
+    row += [d["engine_batch"], d["engine_step_ms"], d["tok_s"], d["engine_tok_s"]]
+    shares = (point.get("loop_time") or {}).get(d["pool"], {})
+    split = "/".join(f"{shares.get(k, {}).get('share', 0.0):.0%}" for k in KINDS)
+    return [*row, d["served_vs_engine"], split]
+
+
+KINDS = ("prefill", "mixed", "decode")  # the engines' step kinds
 FORWARDS = re.compile(r'splitserve_forwards_total\{how="(\w+)",kind="(\w+)",pool="(\w+)"\}')
 
 

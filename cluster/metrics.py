@@ -109,6 +109,7 @@ class PoolCollector:
             yield family
         yield self._acceptance_lengths(pools)
         yield self._forwards()
+        yield from self._step_times()
 
     def _forwards(self) -> CounterMetricFamily:
         """Per pool, step kind and how it ran: the engines' forwards (graph hit rates)."""
@@ -124,6 +125,39 @@ class PoolCollector:
             for kind, how, n in merge_rows(*(r for p, r in rows if p == pool)):
                 family.add_metric([pool, kind, how], n)
         return family
+
+    def _step_times(self) -> list[CounterMetricFamily]:
+        """Per pool, step kind and batch bucket: the engine loops' steps, the requests in
+        them and their seconds (``workers/engine/step_times.py``): a pool's decode rate at
+        a batch is requests over seconds."""
+        labels = ["pool", "kind", "batch"]
+        families = [
+            CounterMetricFamily(
+                "splitserve_engine_steps",
+                "Engine loop turns that ran a step, by step kind and batch bucket",
+                labels=labels,
+            ),
+            CounterMetricFamily(
+                "splitserve_engine_step_requests",
+                "Requests in those steps (a decode step: the tokens it made, one a request)",
+                labels=labels,
+            ),
+            CounterMetricFamily(
+                "splitserve_engine_step_seconds",
+                "Seconds of those loop turns (the step and its outputs sent)",
+                labels=labels,
+            ),
+        ]
+        totals: defaultdict[tuple[str, str, int], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        for pool, stats in self.snapshot.values():
+            for kind, batch, *counts in stats.get("step_times") or []:
+                total = totals[pool, kind, batch]
+                for i, value in enumerate(counts):
+                    total[i] += value
+        for (pool, kind, batch), counts in sorted(totals.items()):
+            for family, value in zip(families, counts):
+                family.add_metric([pool, kind, str(batch)], value)
+        return families
 
     def _acceptance_lengths(self, pools: list[str]) -> HistogramMetricFamily:
         """Per pool: how many drafts each verify step of a request accepted."""

@@ -93,6 +93,48 @@ def test_served_tokens_equal_the_engine_in_process(client):
     assert client.alive
 
 
+def test_the_engine_loop_counts_its_steps_by_kind_and_batch(client):
+    """Four prompts at once, 12 tokens each: one prefill step for all four, then their
+    decode steps; every request is in 12 steps (synchronous on CPU), all counted."""
+
+    def totals() -> dict[str, list]:
+        sums: dict[str, list] = {}
+        for kind, _, steps, requests, seconds in client.stats.step_times:
+            old = sums.get(kind, [0, 0, 0.0])
+            sums[kind] = [old[0] + steps, old[1] + requests, old[2] + seconds]
+        return sums
+
+    def settled() -> dict[str, list]:  # stats come every 50 ms: two reports agree
+        last, now = None, totals()
+        while now != last:
+            time.sleep(0.2)
+            last, now = now, totals()
+        return now
+
+    before = settled()  # an earlier test's last steps included
+
+    async def run():
+        front = await _front(client)
+        calls = [GenerateCall(f"steps{i}", [3 + i, 5, 8, 13], GREEDY) for i in range(4)]
+        await asyncio.gather(*[_collect(front, c) for c in calls])
+        front.close()
+
+    asyncio.run(run())
+    expected = 4 * GREEDY.max_tokens
+    deadline = time.monotonic() + 10
+    while True:  # the next stats report carries the last steps
+        after = totals()
+        grown = {
+            k: [a - b for a, b in zip(v, before.get(k, [0, 0, 0.0]))] for k, v in after.items()
+        }
+        if sum(g[1] for g in grown.values()) >= expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert sum(g[1] for g in grown.values()) == expected, grown
+    assert grown["prefill"][1] >= 4 and grown["decode"][1] >= 4 * (GREEDY.max_tokens - 2)
+    assert all(g[2] > 0 for g in grown.values() if g[0])
+
+
 def test_a_stream_interval_sends_a_streams_tokens_in_runs():
     config = {**CONFIG, "scheduler": {**CONFIG["scheduler"], "stream_interval": 4}}
     client = EngineClient(EngineConfig.from_dict(config), secret=SECRET)

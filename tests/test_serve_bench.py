@@ -315,6 +315,23 @@ def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
         assert 0 <= s["goodput_fraction"] <= 1
         assert point["served_vs_engine"] > 0
         assert point["engine"]["output_tokens"] == num * max_tokens
+    # the decode worker's own steps over the closed-loop run: every token after the first
+    # came from a decode-only step of the decode pool, one request a step each; at the
+    # engine alone's batch (2) they are compared with its decode step
+    rate, closed_point = config["points"]
+    assert "decode_steps" not in rate  # open loop: no decode step alone to compare with
+    (run,) = closed_point["runs"]
+    decoded = [r for r in run["steps"] if (r["pool"], r["kind"]) == ("decode", "decode")]
+    assert sum(r["requests"] for r in decoded) == num * (max_tokens - 1), run["steps"]
+    prompts = [r for r in run["steps"] if r["pool"] == "prefill"]
+    assert {r["kind"] for r in prompts} == {"prefill"}
+    assert sum(r["requests"] for r in prompts) == num
+    steps = closed_point["decode_steps"]
+    assert (steps["pool"], steps["batch_bucket"], steps["engine_batch"]) == ("decode", 2, 2)
+    assert 1 <= steps["mean_batch"] <= 2 and steps["step_ms"] > 0
+    assert steps["served_vs_engine"] == pytest.approx(steps["tok_s"] / steps["engine_tok_s"])
+    loop = closed_point["loop_time"]["decode"]
+    assert set(loop) == {"decode"} and loop["decode"]["share"] == pytest.approx(1.0)
     closed = config["engine_baseline"]["points"]["concurrency=2"]
     assert closed["max_num_seqs"] == 2
     # without drafts a decode step gives each request one token: the token's time is the step's

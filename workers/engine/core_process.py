@@ -63,6 +63,7 @@ from splitserve.workers.engine.messages import (
     WorkerStats,
     is_last,
 )
+from splitserve.workers.engine.step_times import StepTimes
 from splitserve.workers.output.request_output import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class EngineCore:
             self.engine.ep_front.notify = self._wakeup.set
         self.listener = FrontListener(start.front_host, start.secret, self._on_front_message)
         self.num_steps = 0
+        self.step_times = StepTimes()  # the loop's turns that ran a step
         self._step_started: float | None = None  # when the loop entered its current step
         # Fault injection (tests): hold a long prompt mid-prefill, see splitserve/config.py.
         self._prefill_step_delay_s = float(env("SPLITSERVE_PREFILL_STEP_DELAY_S"))
@@ -187,16 +189,11 @@ class EngineCore:
         threading.Thread(target=self._beat, name="engine-heartbeat", daemon=True).start()
         stats_time = 0.0
         while not self._stopped:
+            turn_started = time.perf_counter()
             self._drain_commands()
             engine = self.engine
             if engine.has_unfinished_requests():  # a step also polls the transfers
-                self._step_started = time.monotonic()
-                events = [_event_of(output) for output in engine.step()]
-                self.num_steps += 1
-                self._send_events(events)
-                if self._prefill_step_delay_s and _mid_prefill(engine):
-                    time.sleep(self._prefill_step_delay_s)  # a long step, as the replica sees it
-                self._step_started = None
+                self._step(turn_started)
             if not engine.has_runnable_requests():
                 self._wakeup.wait(IDLE_WAIT_S)  # a command or a transfer event wakes it
                 self._wakeup.clear()
@@ -208,6 +205,22 @@ class EngineCore:
         self.listener.close()
         self.engine.close()
 
+    def _step(self, turn_started: float) -> None:
+        """One engine step and its events sent; a turn that launched a step is timed from
+        ``turn_started`` (the commands read before it included) into ``step_times``."""
+        engine = self.engine
+        self._step_started = time.monotonic()
+        last_step = engine.last_step
+        events = [_event_of(output) for output in engine.step()]
+        self.num_steps += 1
+        self._send_events(events)
+        if engine.last_step is not last_step:  # the call launched a step
+            step, turn = engine.last_step, time.perf_counter() - turn_started
+            self.step_times.record(step.num_requests, step.num_prompt_requests, turn)
+        if self._prefill_step_delay_s and _mid_prefill(engine):
+            time.sleep(self._prefill_step_delay_s)  # a long step, as the replica sees it
+        self._step_started = None
+
     def fail_open_requests(self, message: str) -> None:
         """End every open request with ``message`` (the loop died: say why to the fronts,
         and that the engine is down, so no front retries a request here)."""
@@ -216,6 +229,7 @@ class EngineCore:
 
     def stats(self) -> WorkerStats:
         stats = collect_stats(self.engine, self.num_steps)
+        stats.step_times = self.step_times.rows()
         stats.address = self.listener.address
         stats.draining = self._draining
         return stats

@@ -79,6 +79,8 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     seconds: float = 0.0
+    num_requests: int = 0  # in the step's batch
+    num_prompt_requests: int = 0  # of them, those computing prompt tokens
 
 
 class LLMEngine:
@@ -514,6 +516,7 @@ class LLMEngine:
             batch = batch.without_finished()
         if batch.is_empty and lockstep:
             self.runner.idle_step()  # a dummy step where another rank has work
+        prompting = sum(r.num_computed_tokens < r.num_prompt_tokens for r in batch.requests)
         launched = self._launch(batch) if not batch.is_empty else None
         self._drop_unread_drafts(batch)
         if self._in_flight is not None:
@@ -529,6 +532,8 @@ class LLMEngine:
                 launched.num_prefill_tokens,
                 launched.num_decode_tokens,
                 time.perf_counter() - start,
+                len(batch.requests),
+                prompting,
             )
         return outputs
 

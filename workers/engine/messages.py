@@ -254,6 +254,10 @@ class WorkerStats:
     # ``[[kind, how, count], ...]`` (``workers/runner/forward_counts.py``); a group's
     # ranks summed.
     forward_counts: list[list] = field(default_factory=list)
+    # The engine loop's turns that ran a step, so far, by the step's kind and batch:
+    # ``[[kind, batch bucket, steps, requests, seconds], ...]``
+    # (``workers/engine/step_times.py``; an expert-parallel group: rank 0's loop).
+    step_times: list[list] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

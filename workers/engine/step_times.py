@@ -1,0 +1,58 @@
+"""Where a serving engine's loop time goes: its steps by kind and batch size.
+
+The engine process times each turn of its loop that ran a step (the commands read,
+the step, its outputs sent to the fronts), so a step's seconds are what a served
+request waits for it: the device's work and the process's own. Counted by the
+step's kind (``decode``: every request adds its next token, or verifies its drafts;
+``prefill``: every request computes prompt tokens; ``mixed``: both) and its batch,
+rounded up to a bucket (1, 2, 4, 8, then every 16: the decode graphs' sizes). Served
+as ``splitserve_engine_steps_total``, ``splitserve_engine_step_requests_total`` and
+``splitserve_engine_step_seconds_total`` with labels pool, kind and batch (the
+bucket's upper edge): a pool's decode rate at a batch is requests over seconds, the
+figure SGLang's decode log calls "gen throughput".
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+KINDS = ("prefill", "mixed", "decode")
+
+
+def step_kind(num_requests: int, num_prompt_requests: int) -> str:
+    """``decode`` when no request computes prompt tokens, ``prefill`` when all do."""
+    if num_prompt_requests == 0:
+        return "decode"
+    return "prefill" if num_prompt_requests == num_requests else "mixed"
+
+
+def batch_bucket(num_requests: int) -> int:
+    """The bucket's upper edge: 1, 2, 4, 8, then the next multiple of 16."""
+    for edge in (1, 2, 4, 8):
+        if num_requests <= edge:
+            return edge
+    return -(-num_requests // 16) * 16
+
+
+class StepTimes:
+    """Steps, their requests and seconds so far, by kind and batch bucket."""
+
+    def __init__(self) -> None:
+        self._totals: defaultdict[tuple[str, int], list] = defaultdict(lambda: [0, 0, 0.0])
+
+    def record(self, num_requests: int, num_prompt_requests: int, seconds: float) -> None:
+        if num_requests < 1 or not 0 <= num_prompt_requests <= num_requests:
+            raise ValueError(
+                f"a step of {num_requests} requests, {num_prompt_requests} of them computing "
+                "prompt tokens: needs at least one request and at most all of them"
+            )
+        kind = step_kind(num_requests, num_prompt_requests)
+        totals = self._totals[kind, batch_bucket(num_requests)]
+        totals[0] += 1
+        totals[1] += num_requests
+        totals[2] += seconds
+
+    def rows(self) -> list[list]:
+        """``[[kind, batch bucket, steps, requests, seconds], ...]`` (what ``WorkerStats``
+        carries), sorted."""
+        return [[kind, edge, *totals] for (kind, edge), totals in sorted(self._totals.items())]
