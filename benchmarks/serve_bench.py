@@ -305,7 +305,7 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
     out["summary"] = median["summary"]
     out["output_throughput_runs"] = throughputs
     if decode_alone:
-        out["decode_steps"] = serve_steps.decode_at_batch(median["steps"], decode_alone)
+        out["decode_steps"] = serve_steps.decode_against_engine(median["steps"], decode_alone)
         out["loop_time"] = {
             pool: serve_steps.decode_share(median["steps"], pool)
             for pool in sorted({r["pool"] for r in median["steps"]})

@@ -21,7 +21,9 @@ the CPU or GPU. SPEC (written by ``engine_baseline``)::
   decode step at the point's batch (``decode_step_ms``, ``decode_batch``) and a
   request's tokens a step (``decode_tokens_per_step``: above 1 with speculative
   decoding), so ``decode_token_ms`` is what a decode worker's served TPOT is
-  compared with;
+  compared with; then at smaller batches (``decode_step_ms_by_batch``), which the
+  served engines' own decode steps are compared with batch for batch
+  (``serve_steps.py``);
 - TTFT: one request at a time through the ``LLM``'s engine step loop
   (``llm.engine.add_request`` then ``step()``), from adding it to the step that
   returns its first token: back to back (``ttft_s``; a mixed worker at low load), and
@@ -94,36 +96,59 @@ def run_point(llm, prompts: list, max_tokens: list[int]) -> dict:
     }
 
 
-DECODE_STEPS = 32
+DECODE_STEPS = 32  # timed at the point's batch
+SMALLER_BATCH_STEPS = 16  # timed at each smaller batch
+
+
+def smaller_batches(batch: int) -> list[int]:
+    """The batches timed below a point's, largest first: 1, 8, then every 16."""
+    return sorted({b for b in (1, 8, *range(16, batch, 16)) if b < batch}, reverse=True)
 
 
 def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
-    """The engine's decode step with every prompt of a batch decoding (prompts computed)."""
+    """The engine's decode step with every prompt of a batch decoding (prompts computed),
+    then with fewer of them (``smaller_batches``: the others aborted): ``decode_step_ms``
+    at the point's batch, and ``decode_step_ms_by_batch`` at each batch timed. Each
+    request may decode past its ``max_tokens`` here, so none ends while it is timed."""
     from splitserve import SamplingParams
 
     engine, started = llm.engine, set()
+    batches = smaller_batches(len(prompts))
+    steps = DECODE_STEPS + SMALLER_BATCH_STEPS * len(batches) + 1
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        params = SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+        room = engine.max_model_len - len(prompt)  # a text prompt: fewer tokens than this
+        params = SamplingParams(max_tokens=max(m, min(steps, room)), temperature=0, ignore_eos=True)
         engine.add_request(f"decode-{i}", prompt, params)
     while len(started) < len(prompts):
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     batch = len(engine.scheduler.running)
-    start, tokens, rows = time.perf_counter(), 0, 0
-    for _ in range(DECODE_STEPS):
-        rows += len(engine.scheduler.running)
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    seconds = (time.perf_counter() - start) / DECODE_STEPS
+    seconds, per_step = _timed_decode(engine, DECODE_STEPS)
+    by_batch = {batch: seconds * 1e3}
+    for smaller in batches:
+        for i in range(smaller, len(prompts)):
+            engine.abort_request(f"decode-{i}")
+        by_batch[smaller] = _timed_decode(engine, SMALLER_BATCH_STEPS)[0] * 1e3
     for i in range(len(prompts)):
         engine.abort_request(f"decode-{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    per_step = tokens / max(rows, 1)  # a request's tokens a step: 1 + its accepted drafts
     return {
         "decode_batch": batch,
         "decode_step_ms": seconds * 1e3,
         "decode_tokens_per_step": per_step,
         "decode_token_ms": seconds * 1e3 / max(per_step, 1e-9),
+        "decode_step_ms_by_batch": {str(b): ms for b, ms in sorted(by_batch.items())},
     }
+
+
+def _timed_decode(engine, steps: int) -> tuple[float, float]:
+    """Seconds a step over ``steps`` steps, and a request's tokens a step (1 + its
+    accepted drafts)."""
+    start, tokens, rows = time.perf_counter(), 0, 0
+    for _ in range(steps):
+        rows += len(engine.scheduler.running)
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+    return (time.perf_counter() - start) / steps, tokens / max(rows, 1)
 
 
 def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> tuple[list, list]:

@@ -50,7 +50,7 @@ def print_tables(report: dict) -> None:
                 row += [e.get("decode_tokens_per_step", 1.0), s["tpot_ms"]["p50"]]
                 decode.append([*row, p["decode_step_vs_tpot"]])
             if p.get("decode_steps"):
-                steps.append([c["label"], p["label"], *decode_step_row(p)])
+                steps += [[c["label"], p["label"], *row] for row in decode_step_rows(p)]
         if "low_load_ttft" in c:
             t = c["low_load_ttft"]
             served, engine = t["served_ttft_ms"], t.get("engine_ttft_ms") or {}
@@ -75,12 +75,12 @@ def print_tables(report: dict) -> None:
         columns += ["served TPOT p50", "step/TPOT"]
         roofline.print_table(columns, decode)
     if steps:
-        print("\nThe decode GPU's decode-only steps, as its engine loop timed them (the step")
-        print("and its outputs sent), at the engine alone's batch, against the engine alone's")
-        print("step there; the loop's time by step kind over the run (prefill/mixed/decode):")
+        print("\nThe decode GPU's decode-only steps as its engine loop timed them (the step and")
+        print("its outputs sent), by batch bucket, against the engine alone's step at the same")
+        print("mean batch (timed at several batches, linear between them); 'all': the time")
+        print("over every decode step, and the loop's time by step kind (prefill/mixed/decode):")
         columns = ["config", "load", "pool", "batch", "steps", "mean batch", "served ms"]
-        columns += ["alone batch", "alone ms", "served tok/s", "alone tok/s", "served/alone"]
-        roofline.print_table(columns + ["loop time p/m/d"], steps)
+        roofline.print_table(columns + ["alone ms", "alone/served", "loop time p/m/d"], steps)
     has_slo = args["slo_ttft_ms"] is not None or args["slo_tpot_ms"] is not None
     attained = [slo_rate(c) for c in report["configs"]] if has_slo else []
     if any(r is not None for r in attained):
@@ -113,14 +113,19 @@ def print_tables(report: dict) -> None:
         roofline.print_table(columns, forwards)
 
 
-def decode_step_row(point: dict) -> list:
-    """A load point's served decode steps against the engine alone's (``serve_steps``)."""
+def decode_step_rows(point: dict) -> list[list]:
+    """A load point's served decode steps against the engine alone's (``serve_steps``):
+    a row a batch bucket, then all of them."""
     d = point["decode_steps"]
-    row = [d["pool"], f"<={d['batch_bucket']}", d["steps"], d["mean_batch"], d["step_ms"]]
-    row += [d["engine_batch"], d["engine_step_ms"], d["tok_s"], d["engine_tok_s"]]
+    rows = [
+        [d["pool"], f"<={b['batch_bucket']}", b["steps"], b["mean_batch"], b["step_ms"]]
+        + [b["engine_step_ms"], b["served_vs_engine"], ""]
+        for b in d["buckets"]
+    ]
     shares = (point.get("loop_time") or {}).get(d["pool"], {})
     split = "/".join(f"{shares.get(k, {}).get('share', 0.0):.0%}" for k in KINDS)
-    return [*row, d["served_vs_engine"], split]
+    total = [d["pool"], "all", d["steps"], "", d["served_s"] * 1e3, d["engine_s"] * 1e3]
+    return [*rows, [*total, d["served_vs_engine"], split]]
 
 
 KINDS = ("prefill", "mixed", "decode")  # the engines' step kinds

@@ -6,8 +6,8 @@ A served request's TPOT mixes the decode steps with whatever else shares its GPU
 loop's turns by step kind and batch (``splitserve_engine_steps_total``,
 ``..._step_requests_total``, ``..._step_seconds_total`` on ``/metrics``,
 ``workers/engine/step_times.py``); a load point's difference of two reads gives the
-decode-only steps at each batch, and at the batch the engine alone was timed at
-(``serve_engine.decode_step``) the two rates compare step for step.
+decode-only steps at each batch, and the engine alone's decode step timed at several
+batches (``serve_engine.decode_step``) gives what the same steps take alone.
 """
 
 from __future__ import annotations
@@ -48,34 +48,62 @@ def difference(before: list[dict], after: list[dict]) -> list[dict]:
     return out
 
 
-def decode_at_batch(steps: list[dict], engine: dict) -> dict | None:
-    """The served decode-only steps in the batch bucket that holds the engine alone's
-    decode batch, or the nearest above it (the decode pool's, else the mixed pool's),
-    against the engine alone's step: tokens a second each (a request a step; with
-    speculative decoding, a verify step's requests), and served over alone. None when
-    no decode step of that batch or above ran."""
-    batch = engine["decode_batch"]
+def engine_step_ms(by_batch: dict[int, float], batch: float) -> float:
+    """The engine alone's decode step at ``batch``: linear between the batches it was
+    timed at, the nearest one's beyond them."""
+    points = sorted(by_batch.items())
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, ms0), (b1, ms1) in zip(points, points[1:]):
+        if batch <= b1:
+            return ms0 + (ms1 - ms0) * (batch - b0) / (b1 - b0)
+    return points[-1][1]
+
+
+def decode_against_engine(steps: list[dict], engine: dict) -> dict | None:
+    """The served decode-only steps of the decode pool (else the mixed pool), batch
+    bucket by bucket, against the engine alone's step at each bucket's mean batch
+    (``engine_step_ms``): ``served_vs_engine`` is alone's time over served's for the
+    same steps (the decode GPU's served rate over its rate alone at the batches it
+    ran); ``at_batch``: the bucket that holds the engine's own batch, when one ran.
+    None without decode steps or the engine's timings by batch."""
+    timed = engine.get("decode_step_ms_by_batch")
+    if not timed:
+        return None
+    by_batch = {int(b): ms for b, ms in timed.items()}
     for pool in DECODE_POOLS:
-        rows = [r for r in steps if (r["pool"], r["kind"]) == (pool, "decode")]
-        rows = [r for r in rows if r["batch"] >= batch and r["seconds"] > 0]
-        if rows:  # the bucket that holds the engine's batch: the smallest edge above it
-            row = min(rows, key=lambda r: r["batch"])
+        rows = [r for r in steps if (r["pool"], r["kind"]) == (pool, "decode") and r["steps"]]
+        if rows:
             break
     else:
         return None
-    served_tok_s = row["requests"] / row["seconds"]
-    engine_tok_s = engine["decode_batch"] / (engine["decode_step_ms"] / 1e3)
+    buckets = [_bucket(r, by_batch) for r in rows]
+    alone_s = sum(b["engine_step_ms"] * b["steps"] for b in buckets) / 1e3
+    served_s = sum(r["seconds"] for r in rows)
+    top = engine["decode_batch"]
+    at_batch = next((b for b in buckets if b["batch_bucket"] >= top), None)
     return {
-        "pool": row["pool"],
+        "pool": pool,
+        "steps": sum(b["steps"] for b in buckets),
+        "served_s": served_s,
+        "engine_s": alone_s,
+        "served_vs_engine": alone_s / served_s,
+        "at_batch": at_batch,
+        "buckets": buckets,
+    }
+
+
+def _bucket(row: dict, by_batch: dict[int, float]) -> dict:
+    mean = row["requests"] / row["steps"]
+    served_ms = row["seconds"] / row["steps"] * 1e3
+    alone_ms = engine_step_ms(by_batch, mean)
+    return {
         "batch_bucket": row["batch"],
         "steps": int(row["steps"]),
-        "mean_batch": row["requests"] / row["steps"],
-        "step_ms": row["seconds"] / row["steps"] * 1e3,
-        "tok_s": served_tok_s,
-        "engine_batch": engine["decode_batch"],
-        "engine_step_ms": engine["decode_step_ms"],
-        "engine_tok_s": engine_tok_s,
-        "served_vs_engine": served_tok_s / engine_tok_s,
+        "mean_batch": mean,
+        "step_ms": served_ms,
+        "engine_step_ms": alone_ms,
+        "served_vs_engine": alone_ms / served_ms,
     }
 
 

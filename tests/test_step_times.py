@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks import serve_process, serve_steps
+from benchmarks import serve_engine, serve_process, serve_steps
 from splitserve import LLM, SamplingParams
 from splitserve.cluster.metrics import PoolCollector
 from splitserve.workers.engine.messages import WorkerStats
@@ -101,25 +101,55 @@ def test_a_runs_steps_are_the_difference_of_two_reads():
     assert serve_steps.difference(after, after) == []
 
 
-def test_the_decode_rate_is_compared_at_the_engine_alones_batch():
-    engine = {"decode_batch": 96, "decode_step_ms": 13.0}
+def test_the_engine_alones_step_is_linear_between_the_batches_it_was_timed_at():
+    timed = {1: 6.0, 16: 7.5, 96: 13.5}
+    assert serve_steps.engine_step_ms(timed, 1) == 6.0
+    assert serve_steps.engine_step_ms(timed, 8.5) == pytest.approx(6.75)
+    assert serve_steps.engine_step_ms(timed, 56) == pytest.approx(10.5)
+    assert serve_steps.engine_step_ms(timed, 120) == 13.5  # beyond: the nearest one's
+
+
+def test_served_decode_steps_are_compared_bucket_by_bucket_with_the_engine_alone():
+    engine = {"decode_batch": 96, "decode_step_ms_by_batch": {"16": 8.0, "96": 12.0}}
     steps = [
-        _row("decode", "decode", 64, 50, 3000, 0.5),
-        _row("decode", "decode", 96, 100, 9400, 1.4),  # 94 a step, 14 ms each
-        _row("decode", "decode", 112, 5, 500, 0.1),
-        _row("decode", "mixed", 96, 10, 960, 0.6),
+        _row("decode", "decode", 16, 10, 160, 0.1),  # 16 a step, 10 ms each (alone: 8)
+        _row("decode", "decode", 96, 100, 9400, 1.3),  # 94 a step, 13 ms (alone: 11.9)
+        _row("decode", "mixed", 96, 10, 960, 0.6),  # not a decode step: not compared
+        _row("prefill", "prefill", 4, 10, 40, 2.0),
     ]
-    d = serve_steps.decode_at_batch(steps, engine)
-    assert (d["pool"], d["batch_bucket"], d["steps"]) == ("decode", 96, 100)
-    assert d["mean_batch"] == pytest.approx(94.0) and d["step_ms"] == pytest.approx(14.0)
-    assert d["tok_s"] == pytest.approx(9400 / 1.4)
-    assert d["engine_tok_s"] == pytest.approx(96 / 0.013)
-    assert d["served_vs_engine"] == pytest.approx((9400 / 1.4) / (96 / 0.013))
-    # no decode step at that batch or above: nothing to compare
-    assert serve_steps.decode_at_batch(steps[:1], engine) is None
-    # a mixed pool only: its steps are compared
+    d = serve_steps.decode_against_engine(steps, engine)
+    assert (d["pool"], d["steps"]) == ("decode", 110)
+    small, top = d["buckets"]
+    assert (small["mean_batch"], small["step_ms"]) == (16, pytest.approx(10.0))
+    assert small["served_vs_engine"] == pytest.approx(0.8)
+    assert top["mean_batch"] == 94 and top["engine_step_ms"] == pytest.approx(11.9)
+    assert top["served_vs_engine"] == pytest.approx(11.9 / 13.0)
+    assert d["at_batch"] == top
+    assert d["served_s"] == pytest.approx(1.4)
+    assert d["served_vs_engine"] == pytest.approx((10 * 8.0 + 100 * 11.9) / 1e3 / 1.4)
+    # the engine's own batch never reached: all decode steps compared, no "at batch"
+    assert serve_steps.decode_against_engine(steps[:1], engine)["at_batch"] is None
+    # no decode step, or no timings by batch: nothing to compare
+    assert serve_steps.decode_against_engine(steps[2:], engine) is None
+    assert serve_steps.decode_against_engine(steps, {"decode_batch": 96}) is None
+    # a mixed pool only: its decode steps are compared
     mixed = [_row("mixed", "decode", 96, 4, 384, 0.06)]
-    assert serve_steps.decode_at_batch(mixed, engine)["pool"] == "mixed"
+    assert serve_steps.decode_against_engine(mixed, engine)["pool"] == "mixed"
     share = serve_steps.decode_share(steps, "decode")
-    assert share["mixed"]["share"] == pytest.approx(0.6 / 2.6)
+    assert share["mixed"]["share"] == pytest.approx(0.6 / 2.0)
     assert sum(v["share"] for v in share.values()) == pytest.approx(1.0)
+
+
+def test_the_engine_alone_times_decode_steps_at_smaller_batches_too():
+    assert serve_engine.smaller_batches(96) == [80, 64, 48, 32, 16, 8, 1]
+    assert serve_engine.smaller_batches(2) == [1]
+    assert serve_engine.smaller_batches(1) == []
+    llm = LLM("qwen3-tiny", device="cpu", scheduler={"max_num_seqs": 20})
+    prompts = [[3 + i, 5, 8, 13, 21] for i in range(20)]
+    timed = serve_engine.decode_step(llm, prompts, [4] * 20)  # past max_tokens: none ends
+    assert timed["decode_batch"] == 20
+    assert list(timed["decode_step_ms_by_batch"]) == ["1", "8", "16", "20"]
+    assert timed["decode_step_ms_by_batch"]["20"] == timed["decode_step_ms"]
+    assert all(ms > 0 for ms in timed["decode_step_ms_by_batch"].values())
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
