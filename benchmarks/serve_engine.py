@@ -21,8 +21,9 @@ the CPU or GPU. SPEC (written by ``engine_baseline``)::
   decode step at the point's batch (``decode_step_ms``, ``decode_batch``) and a
   request's tokens a step (``decode_tokens_per_step``: above 1 with speculative
   decoding), so ``decode_token_ms`` is what a decode worker's served TPOT is
-  compared with; then at smaller batches (``decode_step_ms_by_batch``), which the
-  served engines' own decode steps are compared with batch for batch
+  compared with; again with longer contexts (the step's time a context token), then
+  at smaller batches (``decode_step_ms_by_batch``, ``decode_context_by_batch``), which
+  the served engines' own decode steps are compared with at their batch and context
   (``serve_steps.py``);
 - TTFT: one request at a time through the ``LLM``'s engine step loop
   (``llm.engine.add_request`` then ``step()``), from adding it to the step that
@@ -96,7 +97,8 @@ def run_point(llm, prompts: list, max_tokens: list[int]) -> dict:
     }
 
 
-DECODE_STEPS = 32  # timed at the point's batch
+DECODE_STEPS = 32  # timed at the point's batch, twice
+CONTEXT_STEPS = 256  # between the two: the step's time against its context
 SMALLER_BATCH_STEPS = 16  # timed at each smaller batch
 
 
@@ -106,15 +108,18 @@ def smaller_batches(batch: int) -> list[int]:
 
 
 def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
-    """The engine's decode step with every prompt of a batch decoding (prompts computed),
-    then with fewer of them (``smaller_batches``: the others aborted): ``decode_step_ms``
-    at the point's batch, and ``decode_step_ms_by_batch`` at each batch timed. Each
-    request may decode past its ``max_tokens`` here, so none ends while it is timed."""
+    """The engine's decode step with every prompt of a batch decoding (prompts computed):
+    ``decode_step_ms`` at the point's batch; timed again ``CONTEXT_STEPS`` steps later,
+    the step's time a request's context token (``decode_ms_per_context_token``: the KV
+    that attention reads); then with fewer requests (``smaller_batches``, the others
+    aborted): ``decode_step_ms_by_batch`` and each timing's mean context a request,
+    ``decode_context_by_batch``. Each request may decode past its ``max_tokens`` here,
+    so none ends while it is timed."""
     from splitserve import SamplingParams
 
     engine, started = llm.engine, set()
     batches = smaller_batches(len(prompts))
-    steps = DECODE_STEPS + SMALLER_BATCH_STEPS * len(batches) + 1
+    steps = 2 * DECODE_STEPS + CONTEXT_STEPS + SMALLER_BATCH_STEPS * len(batches) + 1
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         room = engine.max_model_len - len(prompt)  # a text prompt: fewer tokens than this
         params = SamplingParams(max_tokens=max(m, min(steps, room)), temperature=0, ignore_eos=True)
@@ -122,33 +127,48 @@ def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
     while len(started) < len(prompts):
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     batch = len(engine.scheduler.running)
-    seconds, per_step = _timed_decode(engine, DECODE_STEPS)
-    by_batch = {batch: seconds * 1e3}
+    first = _timed_decode(engine, DECODE_STEPS)
+    for _ in range(CONTEXT_STEPS):
+        engine.step()
+    later = _timed_decode(engine, DECODE_STEPS)
+    longer = max(later["context"] - first["context"], 1e-9)
+    timed = {batch: first}
     for smaller in batches:
         for i in range(smaller, len(prompts)):
             engine.abort_request(f"decode-{i}")
-        by_batch[smaller] = _timed_decode(engine, SMALLER_BATCH_STEPS)[0] * 1e3
+        timed[smaller] = _timed_decode(engine, SMALLER_BATCH_STEPS)
     for i in range(len(prompts)):
         engine.abort_request(f"decode-{i}")
     while engine.has_unfinished_requests():
         engine.step()
+    ms, per_step = first["seconds"] * 1e3, first["tokens_per_step"]
     return {
         "decode_batch": batch,
-        "decode_step_ms": seconds * 1e3,
+        "decode_step_ms": ms,
         "decode_tokens_per_step": per_step,
-        "decode_token_ms": seconds * 1e3 / max(per_step, 1e-9),
-        "decode_step_ms_by_batch": {str(b): ms for b, ms in sorted(by_batch.items())},
+        "decode_token_ms": ms / max(per_step, 1e-9),
+        "decode_step_ms_by_batch": {str(b): t["seconds"] * 1e3 for b, t in sorted(timed.items())},
+        "decode_context_by_batch": {str(b): t["context"] for b, t in sorted(timed.items())},
+        "decode_ms_per_context_token": max(
+            0.0, (later["seconds"] - first["seconds"]) * 1e3 / (batch * longer)
+        ),
     }
 
 
-def _timed_decode(engine, steps: int) -> tuple[float, float]:
-    """Seconds a step over ``steps`` steps, and a request's tokens a step (1 + its
-    accepted drafts)."""
-    start, tokens, rows = time.perf_counter(), 0, 0
+def _timed_decode(engine, steps: int) -> dict:
+    """Over ``steps`` steps: seconds a step, a request's tokens a step (1 + its accepted
+    drafts) and its mean context (tokens in the KV after a step)."""
+    start, tokens, rows, context = time.perf_counter(), 0, 0, 0
     for _ in range(steps):
         rows += len(engine.scheduler.running)
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return (time.perf_counter() - start) / steps, tokens / max(rows, 1)
+        context += engine.last_step.num_context_tokens
+    seconds = (time.perf_counter() - start) / steps
+    return {
+        "seconds": seconds,
+        "tokens_per_step": tokens / max(rows, 1),
+        "context": context / max(rows, 1),
+    }
 
 
 def time_to_first_token(llm, prompts: list, max_tokens: list[int]) -> tuple[list, list]:

@@ -77,9 +77,11 @@ def print_tables(report: dict) -> None:
     if steps:
         print("\nThe decode GPU's decode-only steps as its engine loop timed them (the step and")
         print("its outputs sent), by batch bucket, against the engine alone's step at the same")
-        print("mean batch (timed at several batches, linear between them); 'all': the time")
-        print("over every decode step, and the loop's time by step kind (prefill/mixed/decode):")
-        columns = ["config", "load", "pool", "batch", "steps", "mean batch", "served ms"]
+        print("mean batch and context (timed at several batches and two contexts, linear")
+        print("between them); 'all': the time over every decode step (ms), and the loop's")
+        print("time by step kind (prefill/mixed/decode):")
+        columns = ["config", "load", "pool", "batch", "steps", "mean batch", "context"]
+        columns += ["served ms"]
         roofline.print_table(columns + ["alone ms", "alone/served", "loop time p/m/d"], steps)
     has_slo = args["slo_ttft_ms"] is not None or args["slo_tpot_ms"] is not None
     attained = [slo_rate(c) for c in report["configs"]] if has_slo else []
@@ -118,13 +120,13 @@ def decode_step_rows(point: dict) -> list[list]:
     a row a batch bucket, then all of them."""
     d = point["decode_steps"]
     rows = [
-        [d["pool"], f"<={b['batch_bucket']}", b["steps"], b["mean_batch"], b["step_ms"]]
-        + [b["engine_step_ms"], b["served_vs_engine"], ""]
+        [d["pool"], f"<={b['batch_bucket']}", b["steps"], b["mean_batch"], b["mean_context"]]
+        + [b["step_ms"], b["engine_step_ms"], b["served_vs_engine"], ""]
         for b in d["buckets"]
     ]
     shares = (point.get("loop_time") or {}).get(d["pool"], {})
     split = "/".join(f"{shares.get(k, {}).get('share', 0.0):.0%}" for k in KINDS)
-    total = [d["pool"], "all", d["steps"], "", d["served_s"] * 1e3, d["engine_s"] * 1e3]
+    total = [d["pool"], "all", d["steps"], "", "", d["served_s"] * 1e3, d["engine_s"] * 1e3]
     return [*rows, [*total, d["served_vs_engine"], split]]
 
 

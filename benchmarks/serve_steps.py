@@ -6,8 +6,9 @@ A served request's TPOT mixes the decode steps with whatever else shares its GPU
 loop's turns by step kind and batch (``splitserve_engine_steps_total``,
 ``..._step_requests_total``, ``..._step_seconds_total`` on ``/metrics``,
 ``workers/engine/step_times.py``); a load point's difference of two reads gives the
-decode-only steps at each batch, and the engine alone's decode step timed at several
-batches (``serve_engine.decode_step``) gives what the same steps take alone.
+decode-only steps at each batch with their mean context, and the engine alone's
+decode step timed at several batches and two contexts (``serve_engine.decode_step``)
+gives what the same steps take alone.
 """
 
 from __future__ import annotations
@@ -15,10 +16,15 @@ from __future__ import annotations
 import re
 
 STEP_METRIC = re.compile(
-    r"splitserve_engine_(steps|step_requests|step_seconds)_total"
+    r"splitserve_engine_(steps|step_requests|step_context_tokens|step_seconds)_total"
     r'\{batch="(\d+)",kind="(\w+)",pool="(\w+)"\}'
 )
-FIELDS = {"steps": "steps", "step_requests": "requests", "step_seconds": "seconds"}
+FIELDS = {
+    "steps": "steps",
+    "step_requests": "requests",
+    "step_context_tokens": "context_tokens",
+    "step_seconds": "seconds",
+}
 DECODE_POOLS = ("decode", "mixed")
 
 
@@ -48,10 +54,17 @@ def difference(before: list[dict], after: list[dict]) -> list[dict]:
     return out
 
 
-def engine_step_ms(by_batch: dict[int, float], batch: float) -> float:
-    """The engine alone's decode step at ``batch``: linear between the batches it was
-    timed at, the nearest one's beyond them."""
-    points = sorted(by_batch.items())
+def engine_step_ms(engine: dict, batch: float, context: float) -> float:
+    """The engine alone's decode step at ``batch`` requests of ``context`` tokens each:
+    each batch it was timed at, moved to that context by its time a context token
+    (``decode_ms_per_context_token``), then linear between those batches (the nearest
+    one's beyond them)."""
+    slope = engine.get("decode_ms_per_context_token", 0.0)
+    contexts = engine.get("decode_context_by_batch", {})
+    points = sorted(
+        (int(b), ms + slope * int(b) * (context - contexts.get(b, context)))
+        for b, ms in engine["decode_step_ms_by_batch"].items()
+    )
     if batch <= points[0][0]:
         return points[0][1]
     for (b0, ms0), (b1, ms1) in zip(points, points[1:]):
@@ -62,22 +75,20 @@ def engine_step_ms(by_batch: dict[int, float], batch: float) -> float:
 
 def decode_against_engine(steps: list[dict], engine: dict) -> dict | None:
     """The served decode-only steps of the decode pool (else the mixed pool), batch
-    bucket by bucket, against the engine alone's step at each bucket's mean batch
-    (``engine_step_ms``): ``served_vs_engine`` is alone's time over served's for the
-    same steps (the decode GPU's served rate over its rate alone at the batches it
-    ran); ``at_batch``: the bucket that holds the engine's own batch, when one ran.
+    bucket by bucket, against the engine alone's step at each bucket's mean batch and
+    context (``engine_step_ms``): ``served_vs_engine`` is alone's time over served's
+    for the same steps (the decode GPU's served rate over its rate alone on the same
+    batches); ``at_batch``: the bucket that holds the engine's own batch, when one ran.
     None without decode steps or the engine's timings by batch."""
-    timed = engine.get("decode_step_ms_by_batch")
-    if not timed:
+    if not engine.get("decode_step_ms_by_batch"):
         return None
-    by_batch = {int(b): ms for b, ms in timed.items()}
     for pool in DECODE_POOLS:
         rows = [r for r in steps if (r["pool"], r["kind"]) == (pool, "decode") and r["steps"]]
         if rows:
             break
     else:
         return None
-    buckets = [_bucket(r, by_batch) for r in rows]
+    buckets = [_bucket(r, engine) for r in rows]
     alone_s = sum(b["engine_step_ms"] * b["steps"] for b in buckets) / 1e3
     served_s = sum(r["seconds"] for r in rows)
     top = engine["decode_batch"]
@@ -93,14 +104,16 @@ def decode_against_engine(steps: list[dict], engine: dict) -> dict | None:
     }
 
 
-def _bucket(row: dict, by_batch: dict[int, float]) -> dict:
+def _bucket(row: dict, engine: dict) -> dict:
     mean = row["requests"] / row["steps"]
+    context = row.get("context_tokens", 0) / row["requests"]
     served_ms = row["seconds"] / row["steps"] * 1e3
-    alone_ms = engine_step_ms(by_batch, mean)
+    alone_ms = engine_step_ms(engine, mean, context)
     return {
         "batch_bucket": row["batch"],
         "steps": int(row["steps"]),
         "mean_batch": mean,
+        "mean_context": context,
         "step_ms": served_ms,
         "engine_step_ms": alone_ms,
         "served_vs_engine": alone_ms / served_ms,

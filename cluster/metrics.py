@@ -128,7 +128,7 @@ class PoolCollector:
 
     def _step_times(self) -> list[CounterMetricFamily]:
         """Per pool, step kind and batch bucket: the engine loops' steps, the requests in
-        them and their seconds (``workers/engine/step_times.py``): a pool's decode rate at
+        them, their context tokens and their seconds (``workers/engine/step_times.py``): a pool's decode rate at
         a batch is requests over seconds."""
         labels = ["pool", "kind", "batch"]
         families = [
@@ -143,12 +143,17 @@ class PoolCollector:
                 labels=labels,
             ),
             CounterMetricFamily(
+                "splitserve_engine_step_context_tokens",
+                "The requests' tokens in the KV cache after those steps (what attention read)",
+                labels=labels,
+            ),
+            CounterMetricFamily(
                 "splitserve_engine_step_seconds",
                 "Seconds of those loop turns (the step and its outputs sent)",
                 labels=labels,
             ),
         ]
-        totals: defaultdict[tuple[str, str, int], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        totals: defaultdict[tuple[str, str, int], list[float]] = defaultdict(lambda: [0, 0, 0, 0.0])
         for pool, stats in self.snapshot.values():
             for kind, batch, *counts in stats.get("step_times") or []:
                 total = totals[pool, kind, batch]

@@ -99,7 +99,7 @@ def test_the_engine_loop_counts_its_steps_by_kind_and_batch(client):
 
     def totals() -> dict[str, list]:
         sums: dict[str, list] = {}
-        for kind, _, steps, requests, seconds in client.stats.step_times:
+        for kind, _, steps, requests, _, seconds in client.stats.step_times:
             old = sums.get(kind, [0, 0, 0.0])
             sums[kind] = [old[0] + steps, old[1] + requests, old[2] + seconds]
         return sums

@@ -4,6 +4,8 @@ Prometheus counters, and ``serve_bench``'s decode rate from them
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -20,21 +22,21 @@ def test_kind_and_bucket_of_a_step():
     assert edges == {1: 1, 2: 2, 3: 4, 5: 8, 8: 8, 9: 16, 16: 16, 17: 32, 96: 96, 97: 112}
 
 
-def test_step_times_sum_steps_requests_and_seconds_by_kind_and_bucket():
+def test_step_times_sum_steps_requests_context_and_seconds_by_kind_and_bucket():
     times = StepTimes()
-    times.record(90, 0, 0.013)
-    times.record(96, 0, 0.014)
-    times.record(96, 3, 0.060)
-    times.record(2, 2, 0.045)
+    times.record(90, 0, 90 * 2100, 0.013)
+    times.record(96, 0, 96 * 2100, 0.014)
+    times.record(96, 3, 93 * 2100 + 3 * 1000, 0.060)
+    times.record(2, 2, 2000, 0.045)
     assert times.rows() == [
-        ["decode", 96, 2, 186, pytest.approx(0.027)],
-        ["mixed", 96, 1, 96, 0.060],
-        ["prefill", 2, 1, 2, 0.045],
+        ["decode", 96, 2, 186, 186 * 2100, pytest.approx(0.027)],
+        ["mixed", 96, 1, 96, 93 * 2100 + 3000, 0.060],
+        ["prefill", 2, 1, 2, 2000, 0.045],
     ]  # fmt: skip
     with pytest.raises(ValueError, match="at least one request"):
-        times.record(0, 0, 0.001)
+        times.record(0, 0, 0, 0.001)
     with pytest.raises(ValueError, match="at most all of them"):
-        times.record(2, 3, 0.001)
+        times.record(2, 3, 10, 0.001)
 
 
 def test_an_engine_step_says_how_many_requests_it_ran_and_how_many_computed_prompts():
@@ -53,9 +55,10 @@ def test_an_engine_step_says_how_many_requests_it_ran_and_how_many_computed_prom
     while engine.has_unfinished_requests():
         engine.step()
         s = engine.last_step
-        steps.append((s.num_requests, s.num_prompt_requests))
-    assert steps[:3] == [(2, 2), (2, 1), (2, 0)]
-    assert all(prompting == 0 for _, prompting in steps[2:])
+        steps.append((s.num_requests, s.num_prompt_requests, s.num_context_tokens))
+    # a: 6 prompt tokens, then one a step; b: 10 of its 20, the other 10, then one a step
+    assert steps[:4] == [(2, 2, 6 + 10), (2, 1, 7 + 20), (2, 0, 8 + 21), (2, 0, 9 + 22)]
+    assert all(prompting == 0 for _, prompting, _ in steps[2:])
 
 
 def test_step_times_are_counters_by_pool_kind_and_batch():
@@ -63,9 +66,12 @@ def test_step_times_are_counters_by_pool_kind_and_batch():
         return WorkerStats("decode", 1, step_times=rows).as_dict()
 
     snapshot = {
-        "d1": ("decode", stats([["decode", 96, 10, 950, 0.14], ["decode", 8, 2, 14, 0.01]])),
-        "d2": ("decode", stats([["decode", 96, 5, 480, 0.07]])),
-        "p1": ("prefill", stats([["prefill", 1, 3, 3, 0.15]])),
+        "d1": (
+            "decode",
+            stats([["decode", 96, 10, 950, 9500, 0.14], ["decode", 8, 2, 14, 140, 0.01]]),
+        ),
+        "d2": ("decode", stats([["decode", 96, 5, 480, 4800, 0.07]])),
+        "p1": ("prefill", stats([["prefill", 1, 3, 3, 30, 0.15]])),
     }
     registry = CollectorRegistry()
     registry.register(PoolCollector(snapshot))
@@ -73,6 +79,7 @@ def test_step_times_are_counters_by_pool_kind_and_batch():
     labels = '{batch="96",kind="decode",pool="decode"}'
     assert f"splitserve_engine_steps_total{labels} 15.0" in text
     assert f"splitserve_engine_step_requests_total{labels} 1430.0" in text
+    assert f"splitserve_engine_step_context_tokens_total{labels} 14300.0" in text
     assert f"splitserve_engine_step_seconds_total{labels} 0.21" in text
     assert 'splitserve_engine_steps_total{batch="1",kind="prefill",pool="prefill"} 3.0' in text
     # what serve_bench reads back from the same text, buckets in numeric order
@@ -82,13 +89,15 @@ def test_step_times_are_counters_by_pool_kind_and_batch():
     ]  # fmt: skip
     assert rows[1] == {
         "pool": "decode", "kind": "decode", "batch": 96,
-        "steps": 15.0, "requests": 1430.0, "seconds": pytest.approx(0.21),
+        "steps": 15.0, "requests": 1430.0, "context_tokens": 14300.0,
+        "seconds": pytest.approx(0.21),
     }  # fmt: skip
 
 
-def _row(pool, kind, batch, steps, requests, seconds) -> dict:
+def _row(pool, kind, batch, steps, requests, seconds, context=2048) -> dict:
     keys = {"pool": pool, "kind": kind, "batch": batch}
-    return keys | {"steps": steps, "requests": requests, "seconds": seconds}
+    counts = {"steps": steps, "requests": requests, "context_tokens": requests * context}
+    return keys | counts | {"seconds": seconds}
 
 
 def test_a_runs_steps_are_the_difference_of_two_reads():
@@ -101,16 +110,27 @@ def test_a_runs_steps_are_the_difference_of_two_reads():
     assert serve_steps.difference(after, after) == []
 
 
-def test_the_engine_alones_step_is_linear_between_the_batches_it_was_timed_at():
-    timed = {1: 6.0, 16: 7.5, 96: 13.5}
-    assert serve_steps.engine_step_ms(timed, 1) == 6.0
-    assert serve_steps.engine_step_ms(timed, 8.5) == pytest.approx(6.75)
-    assert serve_steps.engine_step_ms(timed, 56) == pytest.approx(10.5)
-    assert serve_steps.engine_step_ms(timed, 120) == 13.5  # beyond: the nearest one's
+def test_the_engine_alones_step_is_moved_to_the_context_then_linear_in_the_batch():
+    engine = {
+        "decode_step_ms_by_batch": {"1": 6.0, "16": 7.5, "96": 13.5},
+        "decode_context_by_batch": {"1": 2400, "16": 2300, "96": 2100},
+        "decode_ms_per_context_token": 1e-5,  # a request's context token
+    }
+    at = functools.partial(serve_steps.engine_step_ms, engine)
+    assert at(1, 2400) == 6.0
+    assert at(96, 2100) == 13.5 and at(96, 2600) == pytest.approx(13.5 + 96 * 500 * 1e-5)
+    assert at(8.5, 2400) == pytest.approx(6.0 + 0.5 * (7.5 + 16 * 100 * 1e-5 - 6.0))
+    assert at(56, 2100) == pytest.approx((7.5 - 16 * 200 * 1e-5 + 13.5) / 2)
+    assert at(120, 2100) == 13.5  # beyond: the nearest one's
+    assert serve_steps.engine_step_ms({"decode_step_ms_by_batch": {"8": 5.0}}, 4, 9999) == 5.0
 
 
 def test_served_decode_steps_are_compared_bucket_by_bucket_with_the_engine_alone():
-    engine = {"decode_batch": 96, "decode_step_ms_by_batch": {"16": 8.0, "96": 12.0}}
+    engine = {
+        "decode_batch": 96,
+        "decode_step_ms_by_batch": {"16": 8.0, "96": 12.0},
+        "decode_context_by_batch": {"16": 2048, "96": 2048},
+    }
     steps = [
         _row("decode", "decode", 16, 10, 160, 0.1),  # 16 a step, 10 ms each (alone: 8)
         _row("decode", "decode", 96, 100, 9400, 1.3),  # 94 a step, 13 ms (alone: 11.9)
@@ -151,5 +171,11 @@ def test_the_engine_alone_times_decode_steps_at_smaller_batches_too():
     assert list(timed["decode_step_ms_by_batch"]) == ["1", "8", "16", "20"]
     assert timed["decode_step_ms_by_batch"]["20"] == timed["decode_step_ms"]
     assert all(ms > 0 for ms in timed["decode_step_ms_by_batch"].values())
+    # each timing's mean context a request: the 5-token prompt and the first token, then
+    # one more a step; 32 steps at batch 20, 256 untimed and 32 again, then 16 a batch
+    context = timed["decode_context_by_batch"]
+    assert context["20"] == pytest.approx(5 + 1 + 15.5)
+    assert context["16"] == pytest.approx(5 + 1 + 32 + 256 + 32 + 7.5)
+    assert timed["decode_ms_per_context_token"] >= 0
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks

@@ -216,7 +216,8 @@ class EngineCore:
         self._send_events(events)
         if engine.last_step is not last_step:  # the call launched a step
             step, turn = engine.last_step, time.perf_counter() - turn_started
-            self.step_times.record(step.num_requests, step.num_prompt_requests, turn)
+            counts = step.num_requests, step.num_prompt_requests, step.num_context_tokens
+            self.step_times.record(*counts, turn)
         if self._prefill_step_delay_s and _mid_prefill(engine):
             time.sleep(self._prefill_step_delay_s)  # a long step, as the replica sees it
         self._step_started = None

@@ -81,6 +81,7 @@ class StepStats:
     seconds: float = 0.0
     num_requests: int = 0  # in the step's batch
     num_prompt_requests: int = 0  # of them, those computing prompt tokens
+    num_context_tokens: int = 0  # their tokens in the KV cache once the step is done
 
 
 class LLMEngine:
@@ -517,6 +518,7 @@ class LLMEngine:
         if batch.is_empty and lockstep:
             self.runner.idle_step()  # a dummy step where another rank has work
         prompting = sum(r.num_computed_tokens < r.num_prompt_tokens for r in batch.requests)
+        context = batch.total_num_tokens + sum(r.num_computed_tokens for r in batch.requests)
         launched = self._launch(batch) if not batch.is_empty else None
         self._drop_unread_drafts(batch)
         if self._in_flight is not None:
@@ -534,6 +536,7 @@ class LLMEngine:
                 time.perf_counter() - start,
                 len(batch.requests),
                 prompting,
+                context,
             )
         return outputs
 

@@ -6,7 +6,9 @@ request waits for it: the device's work and the process's own. Counted by the
 step's kind (``decode``: every request adds its next token, or verifies its drafts;
 ``prefill``: every request computes prompt tokens; ``mixed``: both) and its batch,
 rounded up to a bucket (1, 2, 4, 8, then every 16: the decode graphs' sizes). Served
-as ``splitserve_engine_steps_total``, ``splitserve_engine_step_requests_total`` and
+as ``splitserve_engine_steps_total``, ``splitserve_engine_step_requests_total``,
+``splitserve_engine_step_context_tokens_total`` (the requests' tokens in the KV
+cache after the step: what its attention read) and
 ``splitserve_engine_step_seconds_total`` with labels pool, kind and batch (the
 bucket's upper edge): a pool's decode rate at a batch is requests over seconds, the
 figure SGLang's decode log calls "gen throughput".
@@ -35,12 +37,17 @@ def batch_bucket(num_requests: int) -> int:
 
 
 class StepTimes:
-    """Steps, their requests and seconds so far, by kind and batch bucket."""
+    """Steps, their requests, context tokens and seconds so far, by kind and batch bucket."""
 
     def __init__(self) -> None:
-        self._totals: defaultdict[tuple[str, int], list] = defaultdict(lambda: [0, 0, 0.0])
+        self._totals: defaultdict[tuple[str, int], list] = defaultdict(lambda: [0, 0, 0, 0.0])
 
-    def record(self, num_requests: int, num_prompt_requests: int, seconds: float) -> None:
+    def record(
+        self, num_requests: int, num_prompt_requests: int, num_context_tokens: int, seconds: float
+    ) -> None:
+        """A step of ``num_requests``, ``num_prompt_requests`` of them computing prompt
+        tokens, ``num_context_tokens`` in their KV once it is done (what attention reads),
+        whose loop turn took ``seconds``."""
         if num_requests < 1 or not 0 <= num_prompt_requests <= num_requests:
             raise ValueError(
                 f"a step of {num_requests} requests, {num_prompt_requests} of them computing "
@@ -50,9 +57,10 @@ class StepTimes:
         totals = self._totals[kind, batch_bucket(num_requests)]
         totals[0] += 1
         totals[1] += num_requests
-        totals[2] += seconds
+        totals[2] += num_context_tokens
+        totals[3] += seconds
 
     def rows(self) -> list[list]:
-        """``[[kind, batch bucket, steps, requests, seconds], ...]`` (what ``WorkerStats``
-        carries), sorted."""
+        """``[[kind, batch bucket, steps, requests, context tokens, seconds], ...]`` (what
+        ``WorkerStats`` carries), sorted."""
         return [[kind, edge, *totals] for (kind, edge), totals in sorted(self._totals.items())]
