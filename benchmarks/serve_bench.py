@@ -265,6 +265,11 @@ def settled_forwards(url: str) -> list[dict]:
     return settled(lambda: serve_report.forwards(sp.metric_values(url)), 1.0, 10.0)
 
 
+def settled_route_counts(url: str) -> dict[str, float]:
+    """Requests per route and outcome once every ingress replica's post is in."""
+    return settled(lambda: sp.route_counts(url), 0.5, 5.0)
+
+
 def settled_step_times(url: str) -> list[dict]:
     """The engines' step counters (``serve_steps.py``) once their reports caught up."""
     return settled(lambda: serve_steps.step_times(sp.metric_values(url)), 0.5, 10.0)
@@ -275,27 +280,39 @@ def settled_ttft_samples(url: str) -> dict[str, float]:
     return settled(lambda: serve_report.ttft_samples(sp.metric_values(url)), 0.5, 5.0)
 
 
+def one_run(args, url: str, point: LoadPoint, specs, seed: str, decode_alone) -> dict:
+    """One repetition of a point: its summary, the routes its requests took, the CPU, each
+    request, and with ``decode_alone`` (the engine alone's decode timings) the engines'
+    own steps over it."""
+    steps_before = settled_step_times(url) if decode_alone else None
+    before = settled_route_counts(url)  # the warm-up's and the last run's all in
+    probe = sp.CpuProbe()
+    results, seconds = run(url, specs, point.mode, point.value, args, seed)
+    cpu = warn_if_busy(probe.stop(), f"during {point.label}")
+    after = settled_route_counts(url)
+    summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
+    routes = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    requests = [r.record() for r in results]
+    out = {"summary": summary, "routes": routes, "cpu": cpu, "requests": requests}
+    if decode_alone:
+        out["steps"] = serve_steps.difference(steps_before, settled_step_times(url))
+    return out
+
+
 def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | None) -> dict:
     """Each repetition on its own prompts; the figures are the median run's (by output
     tokens/s), each run's are in ``runs``."""
-    runs = []
     engine = (baseline or {}).get("points", {}).get(point.label)
     decode_alone = engine if engine and "decode_step_ms" in engine else None
+    runs = []
     for i, specs in enumerate(point.runs):
-        steps_before = settled_step_times(url) if decode_alone else None
-        before, probe = sp.route_counts(url), sp.CpuProbe()
-        results, seconds = run(url, specs, point.mode, point.value, args, f"{point.label}/{i}")
-        cpu, after = warn_if_busy(probe.stop(), f"during {point.label}"), sp.route_counts(url)
-        summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
-        routes = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        requests = [r.record() for r in results]
-        runs.append({"summary": summary, "routes": routes, "cpu": cpu, "requests": requests})
-        if decode_alone:  # the engines' own steps over the run
-            runs[-1]["steps"] = serve_steps.difference(steps_before, settled_step_times(url))
+        runs.append(one_run(args, url, point, specs, f"{point.label}/{i}", decode_alone))
+        summary, routes, cpu = runs[-1]["summary"], runs[-1]["routes"], runs[-1]["cpu"]
         print(
             f"[{label}] {point.label} run {i + 1}/{len(point.runs)}: {summary['completed']}/"
-            f"{summary['sent']} done in {seconds:.2f} s, {summary['output_throughput']:.0f} "
-            f"out tok/s, TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms, routes {routes}, "
+            f"{summary['sent']} done in {summary['duration_s']:.2f} s, "
+            f"{summary['output_throughput']:.0f} out tok/s, TTFT p50 "
+            f"{summary['ttft_ms']['p50'] or 0:.1f} ms, routes {routes}, "
             f"client CPU {cpu['client'] or 0:.0%} of the machine",
             flush=True,
         )
