@@ -128,8 +128,8 @@ class PoolCollector:
 
     def _step_times(self) -> list[CounterMetricFamily]:
         """Per pool, step kind and batch bucket: the engine loops' steps, the requests in
-        them, their context tokens and their seconds (``workers/engine/step_times.py``): a pool's decode rate at
-        a batch is requests over seconds."""
+        them, their context tokens and their seconds (``workers/engine/step_times.py``):
+        a pool's decode rate at a batch is requests over seconds."""
         labels = ["pool", "kind", "batch"]
         families = [
             CounterMetricFamily(
