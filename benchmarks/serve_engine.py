@@ -98,8 +98,14 @@ def run_point(llm, prompts: list, max_tokens: list[int]) -> dict:
 
 
 DECODE_STEPS = 32  # timed at the point's batch, twice
-CONTEXT_STEPS = 256  # between the two: the step's time against its context
 SMALLER_BATCH_STEPS = 16  # timed at each smaller batch
+
+
+def context_steps(max_tokens: list[int]) -> int:
+    """Steps between the two timings at the point's batch: half the longest output, so
+    the later one and the smaller batches run at about the mean context of the served
+    requests (a prompt and half its output), where their steps are compared."""
+    return max(DECODE_STEPS, max(max_tokens) // 2)
 
 
 def smaller_batches(batch: int) -> list[int]:
@@ -109,7 +115,7 @@ def smaller_batches(batch: int) -> list[int]:
 
 def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
     """The engine's decode step with every prompt of a batch decoding (prompts computed):
-    ``decode_step_ms`` at the point's batch; timed again ``CONTEXT_STEPS`` steps later,
+    ``decode_step_ms`` at the point's batch; timed again ``context_steps`` steps later,
     the step's time a request's context token (``decode_ms_per_context_token``: the KV
     that attention reads); then with fewer requests (``smaller_batches``, the others
     aborted): ``decode_step_ms_by_batch`` and each timing's mean context a request,
@@ -119,7 +125,8 @@ def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
 
     engine, started = llm.engine, set()
     batches = smaller_batches(len(prompts))
-    steps = 2 * DECODE_STEPS + CONTEXT_STEPS + SMALLER_BATCH_STEPS * len(batches) + 1
+    gap = context_steps(max_tokens)
+    steps = 2 * DECODE_STEPS + gap + SMALLER_BATCH_STEPS * len(batches) + 1
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         room = engine.max_model_len - len(prompt)  # a text prompt: fewer tokens than this
         params = SamplingParams(max_tokens=max(m, min(steps, room)), temperature=0, ignore_eos=True)
@@ -128,7 +135,7 @@ def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     batch = len(engine.scheduler.running)
     first = _timed_decode(engine, DECODE_STEPS)
-    for _ in range(CONTEXT_STEPS):
+    for _ in range(gap):
         engine.step()
     later = _timed_decode(engine, DECODE_STEPS)
     longer = max(later["context"] - first["context"], 1e-9)

@@ -172,10 +172,13 @@ def test_the_engine_alone_times_decode_steps_at_smaller_batches_too():
     assert timed["decode_step_ms_by_batch"]["20"] == timed["decode_step_ms"]
     assert all(ms > 0 for ms in timed["decode_step_ms_by_batch"].values())
     # each timing's mean context a request: the 5-token prompt and the first token, then
-    # one more a step; 32 steps at batch 20, 256 untimed and 32 again, then 16 a batch
+    # one more a step; 32 steps at batch 20, 32 untimed (half the longest output, at
+    # least 32) and 32 again, then 16 a batch
     context = timed["decode_context_by_batch"]
     assert context["20"] == pytest.approx(5 + 1 + 15.5)
-    assert context["16"] == pytest.approx(5 + 1 + 32 + 256 + 32 + 7.5)
+    assert context["16"] == pytest.approx(5 + 1 + 32 + 32 + 32 + 7.5)
+    assert serve_engine.context_steps([4, 1024, 256]) == 512
+    assert serve_engine.context_steps([4]) == serve_engine.DECODE_STEPS
     assert timed["decode_ms_per_context_token"] >= 0
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
