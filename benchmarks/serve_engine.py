@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,37 +115,31 @@ def smaller_batches(batch: int) -> list[int]:
 
 
 def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
-    """The engine's decode step with every prompt of a batch decoding (prompts computed):
-    ``decode_step_ms`` at the point's batch; timed again ``context_steps`` steps later,
-    the step's time a request's context token (``decode_ms_per_context_token``: the KV
-    that attention reads); then with fewer requests (``smaller_batches``, the others
-    aborted): ``decode_step_ms_by_batch`` and each timing's mean context a request,
-    ``decode_context_by_batch``. Each request may decode past its ``max_tokens`` here,
-    so none ends while it is timed."""
-    from splitserve import SamplingParams
-
-    engine, started = llm.engine, set()
-    batches = smaller_batches(len(prompts))
+    """The engine's decode step with a batch decoding (prompts computed), the batch built
+    up: at each of ``smaller_batches`` (``decode_step_ms_by_batch``, with each timing's
+    mean context a request, ``decode_context_by_batch``), then at the point's
+    (``decode_step_ms``), and there again ``context_steps`` steps later: the step's time
+    a request's context token (``decode_ms_per_context_token``: the KV that attention
+    reads). Built up, not cut down, so that every batch is timed near the prompts'
+    length, as the served requests are. Each request may decode past its
+    ``max_tokens`` here, so none ends while it is timed."""
+    engine, n = llm.engine, len(prompts)
     gap = context_steps(max_tokens)
-    steps = 2 * DECODE_STEPS + gap + SMALLER_BATCH_STEPS * len(batches) + 1
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        room = engine.max_model_len - len(prompt)  # a text prompt: fewer tokens than this
-        params = SamplingParams(max_tokens=max(m, min(steps, room)), temperature=0, ignore_eos=True)
-        engine.add_request(f"decode-{i}", prompt, params)
-    while len(started) < len(prompts):
-        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    steps = 2 * DECODE_STEPS + gap + SMALLER_BATCH_STEPS * len(smaller_batches(n)) + n + 1
+    timed, added = {}, 0
+    for batch in [*reversed(smaller_batches(n)), n]:
+        _start_decoding(engine, prompts[added:batch], max_tokens[added:batch], added, steps)
+        added = batch
+        if batch < n:
+            timed[batch] = _timed_decode(engine, SMALLER_BATCH_STEPS)
     batch = len(engine.scheduler.running)
     first = _timed_decode(engine, DECODE_STEPS)
     for _ in range(gap):
         engine.step()
     later = _timed_decode(engine, DECODE_STEPS)
     longer = max(later["context"] - first["context"], 1e-9)
-    timed = {batch: first}
-    for smaller in batches:
-        for i in range(smaller, len(prompts)):
-            engine.abort_request(f"decode-{i}")
-        timed[smaller] = _timed_decode(engine, SMALLER_BATCH_STEPS)
-    for i in range(len(prompts)):
+    timed[batch] = first
+    for i in range(n):
         engine.abort_request(f"decode-{i}")
     while engine.has_unfinished_requests():
         engine.step()
@@ -157,22 +152,40 @@ def decode_step(llm, prompts: list, max_tokens: list[int]) -> dict:
         "decode_step_ms_by_batch": {str(b): t["seconds"] * 1e3 for b, t in sorted(timed.items())},
         "decode_context_by_batch": {str(b): t["context"] for b, t in sorted(timed.items())},
         "decode_ms_per_context_token": max(
-            0.0, (later["seconds"] - first["seconds"]) * 1e3 / (batch * longer)
+            0.0, (later["median_seconds"] - first["median_seconds"]) * 1e3 / (batch * longer)
         ),
     }
 
 
+def _start_decoding(engine, prompts: list, max_tokens: list[int], first_id: int, steps: int):
+    """Add ``prompts`` (ids ``decode-{first_id}`` on) and step until each has its first
+    token; each may decode ``steps`` tokens (within the context length)."""
+    from splitserve import SamplingParams
+
+    waiting = set()
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens), first_id):
+        room = engine.max_model_len - len(prompt)  # a text prompt: fewer tokens than this
+        params = SamplingParams(max_tokens=max(m, min(steps, room)), temperature=0, ignore_eos=True)
+        engine.add_request(f"decode-{i}", prompt, params)
+        waiting.add(f"decode-{i}")
+    while waiting:
+        waiting -= {o.request_id for o in engine.step() if o.new_token_ids}
+
+
 def _timed_decode(engine, steps: int) -> dict:
-    """Over ``steps`` steps: seconds a step, a request's tokens a step (1 + its accepted
-    drafts) and its mean context (tokens in the KV after a step)."""
-    start, tokens, rows, context = time.perf_counter(), 0, 0, 0
+    """Over ``steps`` steps: seconds a step (the mean, and the median: what the context's
+    slope is read from, so one slow step does not tilt it), a request's tokens a step
+    (1 + its accepted drafts) and its mean context (tokens in the KV after a step)."""
+    durations, tokens, rows, context = [], 0, 0, 0
     for _ in range(steps):
         rows += len(engine.scheduler.running)
+        start = time.perf_counter()
         tokens += sum(len(o.new_token_ids) for o in engine.step())
+        durations.append(time.perf_counter() - start)
         context += engine.last_step.num_context_tokens
-    seconds = (time.perf_counter() - start) / steps
     return {
-        "seconds": seconds,
+        "seconds": sum(durations) / steps,
+        "median_seconds": statistics.median(durations),
         "tokens_per_step": tokens / max(rows, 1),
         "context": context / max(rows, 1),
     }
