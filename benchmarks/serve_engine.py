@@ -16,14 +16,14 @@ the CPU or GPU. SPEC (written by ``engine_baseline``)::
   with the scheduler's ``max_num_seqs`` lowered to the point's (the serving
   point's concurrency): output and total tokens/s over the call's wall time;
   the point's figures are the median run's (by output tokens/s), with ``runs``;
-- decoding alone, for a closed-loop point: the first run's prompts all added, stepped
-  until each has its first token, then ``DECODE_STEPS`` steps timed: the engine's
-  decode step at the point's batch (``decode_step_ms``, ``decode_batch``) and a
-  request's tokens a step (``decode_tokens_per_step``: above 1 with speculative
-  decoding), so ``decode_token_ms`` is what a decode worker's served TPOT is
-  compared with; again with longer contexts (the step's time a context token), then
-  at smaller batches (``decode_step_ms_by_batch``, ``decode_context_by_batch``), which
-  the served engines' own decode steps are compared with at their batch and context
+- decoding alone, for a closed-loop point: the first run's prompts added a group at a
+  time, each group stepped until it has its first tokens, the batch timed at 1, 8,
+  16, ... (``decode_step_ms_by_batch``, ``decode_context_by_batch``) and at the
+  point's batch, ``DECODE_STEPS`` steps (``decode_step_ms``, ``decode_batch``, and a
+  request's tokens a step, ``decode_tokens_per_step``: above 1 with speculative
+  decoding, so ``decode_token_ms`` is what a decode worker's served TPOT is compared
+  with), then again with longer contexts (the step's time a context token); the served
+  engines' own decode steps are compared with these at their batch and context
   (``serve_steps.py``);
 - TTFT: one request at a time through the ``LLM``'s engine step loop
   (``llm.engine.add_request`` then ``step()``), from adding it to the step that
