@@ -265,14 +265,18 @@ def settled_forwards(url: str) -> list[dict]:
     return settled(lambda: serve_report.forwards(sp.metric_values(url)), 1.0, 10.0)
 
 
-def settled_route_counts(url: str) -> dict[str, float]:
-    """Requests per route and outcome once every ingress replica's post is in."""
-    return settled(lambda: sp.route_counts(url), 0.5, 5.0)
+def settled_counters(url: str) -> dict:
+    """Requests per route and outcome, and the engines' step counters (``serve_steps``),
+    from one ``/metrics`` read once every ingress replica's and engine's report is in."""
 
+    def read() -> dict:
+        try:
+            values = sp.metric_values(url)
+        except OSError:  # a server without /metrics (--url): nothing to count
+            values = {}
+        return {"routes": sp.route_counts_of(values), "steps": serve_steps.step_times(values)}
 
-def settled_step_times(url: str) -> list[dict]:
-    """The engines' step counters (``serve_steps.py``) once their reports caught up."""
-    return settled(lambda: serve_steps.step_times(sp.metric_values(url)), 0.5, 10.0)
+    return settled(read, 0.5, 10.0)
 
 
 def settled_ttft_samples(url: str) -> dict[str, float]:
@@ -280,23 +284,20 @@ def settled_ttft_samples(url: str) -> dict[str, float]:
     return settled(lambda: serve_report.ttft_samples(sp.metric_values(url)), 0.5, 5.0)
 
 
-def one_run(args, url: str, point: LoadPoint, specs, seed: str, decode_alone) -> dict:
+def one_run(args, url: str, point: LoadPoint, specs, seed: str) -> dict:
     """One repetition of a point: its summary, the routes its requests took, the CPU, each
-    request, and with ``decode_alone`` (the engine alone's decode timings) the engines'
-    own steps over it."""
-    steps_before = settled_step_times(url) if decode_alone else None
-    before = settled_route_counts(url)  # the warm-up's and the last run's all in
+    request, and the engines' own steps over it."""
+    before = settled_counters(url)  # the warm-up's and the last run's all in
     probe = sp.CpuProbe()
     results, seconds = run(url, specs, point.mode, point.value, args, seed)
     cpu = warn_if_busy(probe.stop(), f"during {point.label}")
-    after = settled_route_counts(url)
+    after = settled_counters(url)
     summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
-    routes = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    old, new = before["routes"], after["routes"]
+    routes = {k: v - old.get(k, 0) for k, v in new.items() if v != old.get(k, 0)}
+    steps = serve_steps.difference(before["steps"], after["steps"])
     requests = [r.record() for r in results]
-    out = {"summary": summary, "routes": routes, "cpu": cpu, "requests": requests}
-    if decode_alone:
-        out["steps"] = serve_steps.difference(steps_before, settled_step_times(url))
-    return out
+    return {"summary": summary, "routes": routes, "cpu": cpu, "steps": steps, "requests": requests}
 
 
 def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | None) -> dict:
@@ -306,7 +307,7 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
     decode_alone = engine if engine and "decode_step_ms" in engine else None
     runs = []
     for i, specs in enumerate(point.runs):
-        runs.append(one_run(args, url, point, specs, f"{point.label}/{i}", decode_alone))
+        runs.append(one_run(args, url, point, specs, f"{point.label}/{i}"))
         summary, routes, cpu = runs[-1]["summary"], runs[-1]["routes"], runs[-1]["cpu"]
         print(
             f"[{label}] {point.label} run {i + 1}/{len(point.runs)}: {summary['completed']}/"
@@ -321,12 +322,12 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
     median = runs[median_index(throughputs)]
     out["summary"] = median["summary"]
     out["output_throughput_runs"] = throughputs
+    out["loop_time"] = {
+        pool: serve_steps.loop_time_by_kind(median["steps"], pool)
+        for pool in sorted({r["pool"] for r in median["steps"]})
+    }
     if decode_alone:
         out["decode_steps"] = serve_steps.decode_against_engine(median["steps"], decode_alone)
-        out["loop_time"] = {
-            pool: serve_steps.decode_share(median["steps"], pool)
-            for pool in sorted({r["pool"] for r in median["steps"]})
-        }
     if engine:
         out["engine"] = {k: v for k, v in engine.items() if k != "runs"}
         out["served_vs_engine"] = out["summary"]["output_throughput"] / engine["output_throughput"]

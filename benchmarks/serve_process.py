@@ -142,19 +142,10 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def route_counts(url: str) -> dict[str, float]:
-    """Requests per route and outcome from ``/metrics`` (empty when it has none)."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
-    counts = {}
-    for line in text.splitlines():
-        if line.startswith("splitserve_requests_total{"):
-            labels, value = line.rsplit(" ", 1)
-            counts[labels[len("splitserve_requests_total") :]] = float(value)
-    return counts
+def route_counts_of(metrics: dict[str, float]) -> dict[str, float]:
+    """``splitserve_requests_total`` of ``metric_values``, by its labels."""
+    prefix = "splitserve_requests_total"
+    return {k[len(prefix) :]: v for k, v in metrics.items() if k.startswith(prefix + "{")}
 
 
 class CpuProbe:

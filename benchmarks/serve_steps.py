@@ -30,7 +30,7 @@ DECODE_POOLS = ("decode", "mixed")
 
 def step_times(metrics: dict[str, float]) -> list[dict]:
     """The engines' step counters of a server's ``/metrics``, one dict a pool, kind and
-    batch bucket: ``{pool, kind, batch, steps, requests, seconds}``."""
+    batch bucket: ``{pool, kind, batch, steps, requests, context_tokens, seconds}``."""
     rows: dict[tuple[str, str, int], dict] = {}
     for name, value in metrics.items():
         m = STEP_METRIC.fullmatch(name)
@@ -120,7 +120,7 @@ def _bucket(row: dict, engine: dict) -> dict:
     }
 
 
-def decode_share(steps: list[dict], pool: str) -> dict:
+def loop_time_by_kind(steps: list[dict], pool: str) -> dict:
     """A pool's loop time by step kind over a run: seconds, and each kind's share."""
     seconds: dict[str, float] = {}
     for r in steps:

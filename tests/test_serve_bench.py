@@ -320,6 +320,11 @@ def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
     # engine alone's batch (2) they are compared with its decode step
     rate, closed_point = config["points"]
     assert "decode_steps" not in rate  # open loop: no decode step alone to compare with
+    # every run has the engines' steps over it: the prefill worker computed each prompt
+    (rate_run,) = rate["runs"]
+    rate_prompts = [r for r in rate_run["steps"] if r["pool"] == "prefill"]
+    assert sum(r["requests"] for r in rate_prompts) == num
+    assert rate["loop_time"]["prefill"]["prefill"]["share"] == pytest.approx(1.0)
     (run,) = closed_point["runs"]
     decoded = [r for r in run["steps"] if (r["pool"], r["kind"]) == ("decode", "decode")]
     assert sum(r["requests"] for r in decoded) == num * (max_tokens - 1), run["steps"]

@@ -9,9 +9,10 @@ import functools
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks import serve_engine, serve_process, serve_steps
+from benchmarks import serve_bench, serve_engine, serve_process, serve_steps
 from splitserve import LLM, SamplingParams
 from splitserve.cluster.metrics import PoolCollector
+from splitserve.cluster.ports import free_port
 from splitserve.workers.engine.messages import WorkerStats
 from splitserve.workers.engine.step_times import StepTimes, batch_bucket, step_kind
 
@@ -155,7 +156,7 @@ def test_served_decode_steps_are_compared_bucket_by_bucket_with_the_engine_alone
     # a mixed pool only: its decode steps are compared
     mixed = [_row("mixed", "decode", 96, 4, 384, 0.06)]
     assert serve_steps.decode_against_engine(mixed, engine)["pool"] == "mixed"
-    share = serve_steps.decode_share(steps, "decode")
+    share = serve_steps.loop_time_by_kind(steps, "decode")
     assert share["mixed"]["share"] == pytest.approx(0.6 / 2.0)
     assert sum(v["share"] for v in share.values()) == pytest.approx(1.0)
 
@@ -183,3 +184,22 @@ def test_the_engine_alone_times_decode_steps_at_smaller_batches_too():
     assert timed["decode_ms_per_context_token"] >= 0
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
+
+
+def test_a_runs_counters_come_from_one_metrics_read_and_none_without_a_server():
+    text = "\n".join(
+        [
+            'splitserve_requests_total{outcome="ok",route="disaggregated"} 4.0',
+            'splitserve_requests_total{outcome="error",route="local_short"} 1.0',
+            'splitserve_engine_steps_total{batch="2",kind="decode",pool="decode"} 7.0',
+            'splitserve_forwards_total{how="eager",kind="decode",pool="decode"} 7.0',
+        ]
+    )
+    values = serve_process.parse_metrics(text)
+    assert serve_process.route_counts_of(values) == {
+        '{outcome="ok",route="disaggregated"}': 4.0,
+        '{outcome="error",route="local_short"}': 1.0,
+    }
+    # no server answers: nothing counted, no error (a --url server without /metrics)
+    port = free_port()
+    assert serve_bench.settled_counters(f"http://127.0.0.1:{port}") == {"routes": {}, "steps": []}

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-KINDS = ("prefill", "mixed", "decode")
-
 
 def step_kind(num_requests: int, num_prompt_requests: int) -> str:
     """``decode`` when no request computes prompt tokens, ``prefill`` when all do."""
