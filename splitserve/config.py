@@ -299,6 +299,12 @@ class KVTransferConfig:
     first_message_layers: int = 1
     lanes: int = 2
     max_message_mb: int | None = 128
+    # Thread blocks an NCCL kernel of the worker's process may take (NCCL_MAX_CTAS, unless
+    # the environment sets it; NCCL reads it once a process). A receive is queued when its
+    # prompt's prefill starts and holds its blocks on the decode GPU's SMs until the bytes
+    # come; a cap leaves the decode step more SMs and the hand-off less bandwidth
+    # (``nccl_pair.cap_ctas``). None: NCCL's own count (32 a peer over NVLink).
+    max_ctas: int | None = None
     # The shared secret every control-plane connection proves it knows (an HMAC
     # challenge, ``workers/kv/transfer/auth.py``). None: a key drawn once per process,
     # enough for engines in one process; ``splitserve serve`` draws one per application.
@@ -312,9 +318,10 @@ class KVTransferConfig:
             )
         if self.timeout_s <= 0:
             raise ValueError(f"invalid kv_transfer.timeout_s={self.timeout_s}: must be > 0")
-        for key in ("layers_per_message", "first_message_layers", "lanes", "max_message_mb"):
+        keys = ("layers_per_message", "first_message_layers", "lanes", "max_message_mb", "max_ctas")
+        for key in keys:
             value = getattr(self, key)
-            if key == "max_message_mb" and value is None:
+            if key in ("max_message_mb", "max_ctas") and value is None:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"invalid kv_transfer.{key}={value!r}: must be an integer >= 1")
@@ -329,6 +336,7 @@ class KVTransferConfig:
             "first_message_layers": self.first_message_layers,
             "lanes": self.lanes,
             "max_message_bytes": None if mb is None else mb << 20,
+            "max_ctas": self.max_ctas,
         }
 
 

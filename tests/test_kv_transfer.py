@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -329,6 +330,22 @@ def test_nccl_unique_ids_split_per_lane():
     for bad in (b"", ids[:-1]):
         with pytest.raises(ValueError, match=f"{ID_BYTES} bytes each"):
             split_ids(bad)
+
+
+def test_nccl_kernels_are_capped_at_the_transports_thread_blocks_unless_the_env_says(
+    monkeypatch,
+):
+    from splitserve.workers.kv.transfer.nccl_pair import NcclOptions, cap_ctas
+
+    monkeypatch.delenv("NCCL_MAX_CTAS", raising=False)
+    assert cap_ctas(None) is None and "NCCL_MAX_CTAS" not in os.environ
+    assert cap_ctas(16) == 16 and os.environ["NCCL_MAX_CTAS"] == "16"
+    assert cap_ctas(8) == 16  # NCCL read the first one: the process keeps it
+    monkeypatch.setenv("NCCL_MAX_CTAS", "4")  # the user's own
+    assert cap_ctas(16) == 4 and os.environ["NCCL_MAX_CTAS"] == "4"
+    assert NcclOptions().max_ctas is None  # NCCL's own unless the config says
+    with pytest.raises(ValueError, match="max_ctas must be at least 1 or None, got 0"):
+        NcclOptions(max_ctas=0).check()
 
 
 def test_an_unknown_frame_kind_ends_the_connection(pair):

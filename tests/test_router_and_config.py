@@ -78,6 +78,7 @@ def test_shipped_configs_load():
         ({"engine": {"kv_transfer": {"layers_per_message": "8"}}}, "layers_per_message='8'"),
         ({"engine": {"kv_transfer": {"first_message_layers": True}}}, "first_message_layers=True"),
         ({"engine": {"kv_transfer": {"max_message_mb": 0}}}, "max_message_mb=0: must be"),
+        ({"engine": {"kv_transfer": {"max_ctas": 0}}}, "kv_transfer.max_ctas=0: must be"),
         ({"pools": {"decode": {"min_replicas": 1}}}, "set both min_replicas and max_replicas"),
         ({"pools": {"decode": {"replicas": 0}}}, "no worker can serve"),
         ({"router": {"local_prefix_hit_ratio": 0}}, "local_prefix_hit_ratio=0"),
@@ -115,6 +116,12 @@ def test_the_kv_message_byte_cap_can_be_lifted():
     assert config.engine.kv_transfer.nccl_options()["max_message_bytes"] is None
     config = ServeConfig.from_dict({"engine": {"kv_transfer": {"max_message_mb": 32}}})
     assert config.engine.kv_transfer.nccl_options()["max_message_bytes"] == 32 << 20
+
+
+def test_the_nccl_thread_block_cap_reaches_the_transport():
+    assert ServeConfig.from_dict({}).engine.kv_transfer.nccl_options()["max_ctas"] is None
+    config = ServeConfig.from_dict({"engine": {"kv_transfer": {"max_ctas": 16}}})
+    assert config.engine.kv_transfer.nccl_options()["max_ctas"] == 16
 
 
 def test_ingress_config_is_checked_and_builds_its_deployment():

@@ -37,6 +37,7 @@ except ImportError:  # machines without cupy: message_plan still works; nccl_tra
 
 _SPIN_S = 0.02  # how long a wait spins on an event before it sleeps between queries
 ID_BYTES = 128  # an NCCL unique id (NCCL_UNIQUE_ID_BYTES)
+_CTAS_ENV = "NCCL_MAX_CTAS"
 
 
 @dataclass(eq=False)
@@ -197,6 +198,7 @@ class NcclOptions:
     # CUDA priority of the pairs' NCCL streams (lower is higher; 0 is the default's):
     # high, so NCCL's blocks start ahead of queued copy and compute kernels.
     stream_priority: int = -1
+    max_ctas: int | None = None  # thread blocks an NCCL kernel of the process may take: cap_ctas
 
     def check(self) -> None:
         """Raise ValueError on a setting no transfer could use."""
@@ -205,6 +207,8 @@ class NcclOptions:
             raise ValueError(f"an NCCL pair needs at least one lane, got {self.lanes}")
         if self.max_message_bytes is not None and self.max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be at least 1, got {self.max_message_bytes}")
+        if self.max_ctas is not None and self.max_ctas < 1:
+            raise ValueError(f"max_ctas must be at least 1 or None, got {self.max_ctas}")
 
 
 def wait_event(event: torch.cuda.Event, pair: Pair | None, deadline: float) -> bool:
@@ -245,6 +249,26 @@ def split_ids(uid: bytes) -> list[bytes]:
     if not uid or len(uid) % ID_BYTES:
         raise ValueError(f"NCCL unique ids come in {ID_BYTES} bytes each, got {len(uid)} bytes")
     return [uid[i : i + ID_BYTES] for i in range(0, len(uid), ID_BYTES)]
+
+
+def cap_ctas(max_ctas: int | None) -> int | None:
+    """Cap the thread blocks of this process's NCCL kernels at ``max_ctas`` unless the
+    environment already sets ``NCCL_MAX_CTAS``; returns the cap in force (None: NCCL's own).
+
+    A receiver queues a transfer's receives when its prompt's prefill starts, so each
+    lane's receive kernel sits on the decode GPU's SMs, polling, while the prompt
+    computes. With NCCL's 32 channels a peer over NVLink and two lanes that is up to 64
+    of an H200's 132 SMs: a decode step's weight-bound projection at 96 requests took
+    1.42x as long as alone, and 0.98x with 16 blocks a kernel (``benchmarks/recv_spin.py``).
+    The cap costs the hand-off bandwidth: a 4096-token Qwen3-8B hand-off took 2.27 ms
+    capped at 16 against 2.05 uncapped (``benchmarks/kv_transfer.py``). NCCL reads the
+    variable once, at the process's first communicator, so the transport calls this
+    before it makes any and the cap holds for every communicator of the process.
+    """
+    if max_ctas is not None and _CTAS_ENV not in os.environ:
+        os.environ[_CTAS_ENV] = str(max_ctas)
+    value = os.environ.get(_CTAS_ENV, "")
+    return int(value) if value.strip().isdigit() else None
 
 
 def communicator(uid: bytes, rank: int) -> Any:

@@ -48,7 +48,7 @@ from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.kv.transfer.control import cache_listener
 from splitserve.workers.kv.transfer.copier import Copier
 from splitserve.workers.kv.transfer.event_pool import EventPool
-from splitserve.workers.kv.transfer.nccl_pair import NcclOptions
+from splitserve.workers.kv.transfer.nccl_pair import NcclOptions, cap_ctas
 from splitserve.workers.kv.transfer.nccl_pairs import NcclPairs, Rendezvous
 from splitserve.workers.kv.transfer.nccl_recv import NcclRecvPath
 from splitserve.workers.kv.transfer.nccl_send import NcclSendPath
@@ -75,11 +75,13 @@ class NcclKVTransport(Transport):
         lanes: int = 2,
         max_message_bytes: int | None = 128 << 20,
         auth_key: str | bytes | None = None,
+        max_ctas: int | None = None,
     ):
         self.options = NcclOptions(
-            layers_per_message, first_message_layers, max_message_bytes, lanes
+            layers_per_message, first_message_layers, max_message_bytes, lanes, max_ctas=max_ctas
         )
         self.options.check()
+        cap_ctas(max_ctas)  # before any communicator of the process: NCCL reads it once
         transfers = Transfers(timeout_s)
         listener = cache_listener(host, kv_cache, auth_key)
         device = kv_cache.k[0].device
