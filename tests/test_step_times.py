@@ -150,9 +150,14 @@ def test_served_decode_steps_are_compared_bucket_by_bucket_with_the_engine_alone
     assert d["served_vs_engine"] == pytest.approx((10 * 8.0 + 100 * 11.9) / 1e3 / 1.4)
     # the engine's own batch never reached: all decode steps compared, no "at batch"
     assert serve_steps.decode_against_engine(steps[:1], engine)["at_batch"] is None
-    # no decode step, or no timings by batch: nothing to compare
+    # no decode step: nothing; no engine alone (or no timings by batch): the served alone
     assert serve_steps.decode_against_engine(steps[2:], engine) is None
-    assert serve_steps.decode_against_engine(steps, {"decode_batch": 96}) is None
+    for no_engine in (None, {"decode_batch": 96}):
+        served = serve_steps.decode_against_engine(steps, no_engine)
+        assert [b["step_ms"] for b in served["buckets"]] == pytest.approx([10.0, 13.0])
+        assert served["served_s"] == pytest.approx(1.4) and served["steps"] == 110
+        assert served["engine_s"] is served["served_vs_engine"] is served["at_batch"] is None
+        assert all(b["engine_step_ms"] is b["served_vs_engine"] is None for b in served["buckets"])
     # a mixed pool only: its decode steps are compared
     mixed = [_row("mixed", "decode", 96, 4, 384, 0.06)]
     assert serve_steps.decode_against_engine(mixed, engine)["pool"] == "mixed"
