@@ -72,11 +72,11 @@ def test_the_transfer_settings_reach_the_transport(checkpoint, monkeypatch):
     monkeypatch.setattr(engine_module, "make_kv_transport", spy)
     config = _config(checkpoint, "decode", block_size=4)
     config.kv_transfer.lanes, config.kv_transfer.layers_per_message = 3, 4
-    config.kv_transfer.max_message_mb = 64
+    config.kv_transfer.max_message_mb, config.kv_transfer.max_ctas = 64, 16
     engine = LLMEngine(config, owner="decode-7")
     try:
         nccl = {"layers_per_message": 4, "first_message_layers": 1, "lanes": 3}
-        nccl["max_message_bytes"] = 64 << 20
+        nccl["max_message_bytes"], nccl["max_ctas"] = 64 << 20, 16
         assert made == {**nccl, "owner": "decode-7", "auth_key": None}
         ticket = engine.kv_transport.make_ticket("r", [1], 0, 4, 2)
         assert ticket.owner == "decode-7"
