@@ -321,6 +321,7 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
     out = {"mode": point.mode, "value": point.value, "label": point.label}
     median = runs[median_index(throughputs)]
     out["summary"] = median["summary"]
+    out["cpu"] = median["cpu"]  # with its CPU seconds by process role
     out["output_throughput_runs"] = throughputs
     out["loop_time"] = {
         pool: serve_steps.loop_time_by_kind(median["steps"], pool)

@@ -33,6 +33,11 @@ from pathlib import Path
 
 from splitserve.cluster.ports import free_port
 
+try:
+    import process_cpu
+except ImportError:  # imported as benchmarks.serve_process (the tests)
+    from benchmarks import process_cpu
+
 
 def default_config_path() -> Path:
     """The embedded default (``configs/serve/default.yaml``), as ``splitserve serve`` has it."""
@@ -157,11 +162,15 @@ class CpuProbe:
 
     def __init__(self):
         self.start = _cpu_sample()
+        self.processes = process_cpu.snapshot(os.getpid())
 
-    def stop(self) -> dict[str, float | None]:
+    def stop(self) -> dict:
+        """The shares, and ``processes``: CPU seconds by role in this process's tree
+        (``process_cpu.by_role``; the server's only when this process started it)."""
         end = _cpu_sample()
+        processes = process_cpu.by_role(self.processes, process_cpu.snapshot(os.getpid()))
         if self.start is None or end is None or end[1] == self.start[1]:
-            return {"busy": None, "client": None, "foreign": None}
+            return {"busy": None, "client": None, "foreign": None, "processes": processes}
         (idle0, total0, ours0, self0), (idle1, total1, ours1, self1) = self.start, end
         total = total1 - total0
         busy = total - (idle1 - idle0)
@@ -169,6 +178,7 @@ class CpuProbe:
             "busy": busy / total,
             "client": (self1 - self0) * os.sysconf("SC_CLK_TCK") / total,
             "foreign": max(0, busy - (ours1 - ours0)) / total,
+            "processes": processes,
         }
 
 

@@ -108,11 +108,34 @@ def print_tables(report: dict) -> None:
         print("the ingress's split into the engine's queue and prefill and the serving path:")
         columns = ["config", "route", "requests", "client TTFT", *TTFT_PARTS]
         roofline.print_table(columns, split)
+    cpu = [
+        [c["label"], p["label"], *row]
+        for c in report["configs"]
+        for p in c["points"]
+        for row in cpu_rows(p)
+    ]
+    if cpu:
+        print("\nWhere the CPU went over the point's median run, by process (this process's")
+        print("tree: a server the benchmark started), seconds and microseconds a streamed token:")
+        roofline.print_table(["config", "load", "process", "CPU s", "us a token"], cpu)
     forwards = [[c["label"], *row] for c in report["configs"] for row in forward_rows(c)]
     if forwards:
         print("\nForwards by step kind over the whole run, warm-up included (/metrics):")
         columns = ["config", "pool", "kind", "graph", "piecewise", "eager", "graphed share"]
         roofline.print_table(columns, forwards)
+
+
+def cpu_rows(point: dict) -> list[list]:
+    """A load point's CPU seconds by process role (``process_cpu``), and per output
+    token; none when its server was not in the benchmark's process tree."""
+    processes = (point.get("cpu") or {}).get("processes") or {}
+    tokens = point["summary"].get("output_tokens") or 0
+    if set(processes) <= {"client"}:
+        return []
+    return [
+        [role, seconds, seconds / tokens * 1e6 if tokens else None]
+        for role, seconds in processes.items()
+    ]
 
 
 def decode_step_rows(point: dict) -> list[list]:

@@ -328,6 +328,13 @@ def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
     assert sum(r["requests"] for r in rate_prompts) == num
     assert rate["loop_time"]["prefill"]["prefill"]["share"] == pytest.approx(1.0)
     (run,) = closed_point["runs"]
+    # the CPU of the server's processes over the run, by role (a run this short may take
+    # under a clock tick of some of them)
+    cpu = closed_point["cpu"]["processes"]
+    parts = {"client", "ingress replica", "decode replica", "prefill replica"}
+    assert parts | {"decode engine", "prefill engine", "Ray and others"} <= set(cpu), cpu
+    assert sum(cpu.values()) > 0
+    assert run["cpu"] == closed_point["cpu"]
     decoded = [r for r in run["steps"] if (r["pool"], r["kind"]) == ("decode", "decode")]
     assert sum(r["requests"] for r in decoded) == num * (max_tokens - 1), run["steps"]
     prompts = [r for r in run["steps"] if r["pool"] == "prefill"]
