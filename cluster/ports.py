@@ -48,3 +48,15 @@ def _bindable(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def in_use(host: str, port: int) -> bool:
+    """Whether a socket listens on ``host:port`` now. Bound as a server binds (with
+    ``SO_REUSEADDR``), so the connections a stopped server left in TIME_WAIT do not count."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False

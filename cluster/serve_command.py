@@ -140,6 +140,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from splitserve.cluster.ray_up import single_node_resources
     from splitserve.cluster.startup_checks import (
         check_node_gpus,
+        check_port_free,
         deployment_failure,
         fit_to_model,
     )
@@ -148,6 +149,8 @@ def serve_main(args: argparse.Namespace) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="splitserve-"))
     try:
         config = load_config(args)
+        if started_ray:  # its HTTP front listens here
+            check_port_free(config.host, config.port)
         notes = fit_to_model(config, local=started_ray)
         env = front_environment(config, run_dir) if started_ray else {}
     except (OSError, ValueError) as e:

@@ -6,7 +6,7 @@ here, where the error reaches the terminal once: the model (a checkpoint
 directory with config.json and its tokenizer, or a preset), its architecture,
 the context length, whether the KV cache holds one request of that length,
 that a checkpoint asked to draft with MTP has an MTP layer, and (when the
-workers run on this machine) the device.
+workers run on this machine) the device and that the HTTP port is free.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from splitserve.cluster.ports import in_use
 from splitserve.cluster.serve_config import ServeConfig
 
 
@@ -62,6 +63,16 @@ def fit_to_model(config: ServeConfig, local: bool = False) -> list[str]:
             "the null page): raise num_kv_blocks or lower scheduler.max_model_len"
         )
     return notes
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ValueError when something listens on the address the server is to take: its
+    HTTP front would exit at start-up with only a line deep in Ray's log."""
+    if in_use(host, port):
+        raise ValueError(
+            f"{host}:{port} is in use (another server, or an HTTP front a killed one left "
+            "behind); stop it or pass --port"
+        )
 
 
 def check_node_gpus(config: ServeConfig, nodes: list[dict]) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from splitserve.cluster import ports
 from splitserve.cluster.serve_command import load_config
 from splitserve.cluster.startup_checks import fit_to_model, last_cause
 from tests import checkpoints
@@ -79,6 +81,37 @@ def test_a_bad_model_fails_before_ray_starts_with_one_line(tmp_path):
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and "is a directory without config.json" in lines[0], result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_fails_before_ray_starts_with_one_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 2
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port} is in use" in lines[0], result.stdout
+    assert "pass --port" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_a_port_left_in_time_wait_is_free():
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()  # the server's side closes first: its end waits in TIME_WAIT
+        client.close()
+        assert ports.in_use("127.0.0.1", port)  # still listening
+    assert not ports.in_use("127.0.0.1", port)
 
 
 def test_a_replica_failure_is_told_by_its_cause():
