@@ -70,17 +70,22 @@ def test_the_api_key_comes_from_the_flag_then_the_environment(monkeypatch):
     assert load_config(_args(api_key="from-flag")).http.api_key == "from-flag"
 
 
-def test_a_bad_model_fails_before_ray_starts_with_one_line(tmp_path):
+def _serve_refused(*flags: str) -> str:
+    """``splitserve serve FLAGS`` exits 2 before Ray starts, with one line and no traceback."""
     result = subprocess.run(
-        [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--model", str(tmp_path)],
+        [sys.executable, "-m", "splitserve.cluster.cli", "serve", *flags],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert result.returncode == 2
+    assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1 and "is a directory without config.json" in lines[0], result.stdout
-    assert "Traceback" not in result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stdout
+    return lines[0]
+
+
+def test_a_bad_model_fails_before_ray_starts_with_one_line(tmp_path):
+    assert "is a directory without config.json" in _serve_refused("--model", str(tmp_path))
 
 
 def test_a_port_in_use_fails_before_ray_starts_with_one_line():
@@ -88,16 +93,8 @@ def test_a_port_in_use_fails_before_ray_starts_with_one_line():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "splitserve.cluster.cli", "serve", "--port", str(port)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert result.returncode == 2
-    lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1 and f"127.0.0.1:{port} is in use" in lines[0], result.stdout
-    assert "pass --port" in lines[0] and "Traceback" not in result.stderr
+        line = _serve_refused("--port", str(port))
+    assert f"127.0.0.1:{port} is in use" in line and "pass --port" in line
 
 
 def test_a_port_left_in_time_wait_is_free():
