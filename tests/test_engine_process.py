@@ -94,8 +94,9 @@ def test_served_tokens_equal_the_engine_in_process(client):
 
 
 def test_the_engine_loop_counts_its_steps_by_kind_and_batch(client):
-    """Four prompts at once, 12 tokens each: one prefill step for all four, then their
-    decode steps; every request is in 12 steps (synchronous on CPU), all counted."""
+    """Four prompts at once, 12 tokens each: every request is in 12 steps (synchronous on
+    CPU), all counted. The prompts come in one prefill step, or the later ones join the
+    running in mixed steps (at most one each), then all decode."""
 
     def totals() -> dict[str, list]:
         sums: dict[str, list] = {}
@@ -131,7 +132,9 @@ def test_the_engine_loop_counts_its_steps_by_kind_and_batch(client):
             break
         time.sleep(0.05)
     assert sum(g[1] for g in grown.values()) == expected, grown
-    assert grown["prefill"][1] >= 4 and grown["decode"][1] >= 4 * (GREEDY.max_tokens - 2)
+    prompts = grown["prefill"][1] + grown.get("mixed", [0, 0])[1]  # mixed: decodes too
+    assert grown["prefill"][1] >= 1 and prompts >= 4, grown
+    assert grown["decode"][1] >= 4 * (GREEDY.max_tokens - 1 - 3), grown
     assert all(g[2] > 0 for g in grown.values() if g[0])
 
 
