@@ -162,23 +162,22 @@ class CpuProbe:
 
     def __init__(self):
         self.start = _cpu_sample()
-        self.processes = process_cpu.snapshot(os.getpid())
 
     def stop(self) -> dict:
         """The shares, and ``processes``: CPU seconds by role in this process's tree
         (``process_cpu.by_role``; the server's only when this process started it)."""
         end = _cpu_sample()
-        processes = process_cpu.by_role(self.processes, process_cpu.snapshot(os.getpid()))
         if self.start is None or end is None or end[1] == self.start[1]:
-            return {"busy": None, "client": None, "foreign": None, "processes": processes}
-        (idle0, total0, ours0, self0), (idle1, total1, ours1, self1) = self.start, end
+            return {"busy": None, "client": None, "foreign": None, "processes": {}}
+        (idle0, total0, tree0, self0), (idle1, total1, tree1, self1) = self.start, end
         total = total1 - total0
         busy = total - (idle1 - idle0)
+        ours = sum(p.ticks for p in tree1.values()) - sum(p.ticks for p in tree0.values())
         return {
             "busy": busy / total,
             "client": (self1 - self0) * os.sysconf("SC_CLK_TCK") / total,
-            "foreign": max(0, busy - (ours1 - ours0)) / total,
-            "processes": processes,
+            "foreign": max(0, busy - ours) / total,
+            "processes": process_cpu.by_role(tree0, tree1),
         }
 
 
@@ -189,39 +188,17 @@ def background_cpu(seconds: float = 2.0) -> dict[str, float | None]:
     return probe.stop()
 
 
-def _cpu_sample() -> tuple[int, int, int, float] | None:
-    """(idle, total) ticks of all CPUs, the ticks this process's tree has used, and
-    this process's CPU seconds."""
+def _cpu_sample() -> tuple[int, int, dict, float] | None:
+    """(idle, total) ticks of all CPUs, this process's tree (``process_cpu.snapshot``:
+    each one's ticks, with the children it has reaped, and its role), and this
+    process's CPU seconds."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
-        return ticks[3] + ticks[4], sum(ticks), _tree_ticks(os.getpid()), time.process_time()
+        tree = process_cpu.snapshot(os.getpid())
+        return ticks[3] + ticks[4], sum(ticks), tree, time.process_time()
     except (OSError, ValueError):
         return None
-
-
-def _tree_ticks(root: int) -> int:
-    """CPU ticks of ``root`` and its descendants: user and system time of each live
-    one and of the children it has reaped."""
-    parent, used = {}, {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # it ended
-            parent[int(name)] = int(fields[1])
-            used[int(name)] = sum(int(x) for x in fields[11:15])  # with reaped children
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        total += used.get(pid, 0)
-        todo += children.get(pid, [])
-    return total
 
 
 def git_commit(repo: Path) -> dict:

@@ -41,22 +41,18 @@ def ephemeral_start() -> int:
         return DEFAULT_EPHEMERAL_START
 
 
-def _bindable(host: str, port: int) -> bool:
+def in_use(host: str, port: int) -> bool:
+    """Whether a socket listens on ``host:port`` now. Bound as a server binds (with
+    ``SO_REUSEADDR``), so the connections a stopped server left in TIME_WAIT do not count."""
+    return not _bindable(host, port, reuse_address=True)
+
+
+def _bindable(host: str, port: int, reuse_address: bool = False) -> bool:
     with socket.socket() as s:
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
             return False
     return True
-
-
-def in_use(host: str, port: int) -> bool:
-    """Whether a socket listens on ``host:port`` now. Bound as a server binds (with
-    ``SO_REUSEADDR``), so the connections a stopped server left in TIME_WAIT do not count."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from benchmarks import process_cpu
+from benchmarks import process_cpu, serve_process
 from benchmarks.process_cpu import CLIENT, HAPROXY, OTHERS, Proc, by_role, role_of
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
@@ -62,3 +62,21 @@ def test_a_real_tree_is_counted_by_role():
     assert seconds["decode engine"] > 0.2, seconds
     # both ended and were reaped: their CPU now counts in this process, the client
     assert by_role(before, process_cpu.snapshot(os.getpid()))[CLIENT] > 0.6
+
+
+def test_the_cpu_probe_splits_its_tree_by_role():
+    """``serve_process.CpuProbe``: a busy child titled as an ingress replica, alive at stop."""
+    busy = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass"
+    title = "ray::ServeReplica:app:ingress"
+    probe = serve_process.CpuProbe()
+    replica = subprocess.Popen(
+        ["bash", "-c", f'exec -a "{title}" "$0" -c "$1"', sys.executable, busy]
+    )
+    try:
+        time.sleep(0.6)
+        cpu = probe.stop()
+    finally:
+        replica.kill()
+        replica.wait(timeout=30)
+    assert cpu["processes"]["ingress replica"] > 0.2, cpu
+    assert cpu["busy"] > 0 and 0 <= cpu["foreign"] <= 1

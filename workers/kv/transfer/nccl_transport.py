@@ -81,7 +81,7 @@ class NcclKVTransport(Transport):
             layers_per_message, first_message_layers, max_message_bytes, lanes, max_ctas=max_ctas
         )
         self.options.check()
-        cap_ctas(max_ctas)  # before any communicator of the process: NCCL reads it once
+        cap_ctas(self.options.max_ctas)  # before any communicator: NCCL reads it once
         transfers = Transfers(timeout_s)
         listener = cache_listener(host, kv_cache, auth_key)
         device = kv_cache.k[0].device
