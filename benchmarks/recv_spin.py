@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
-import os
 import statistics
-from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from splitserve.workers.kv.transfer.nccl_pair import cap_ctas, communicator, unique_id
+
+try:
+    import roofline
+except ImportError:  # imported as benchmarks.recv_spin
+    from benchmarks import roofline
 
 HIDDEN, QKV, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4096, 12288, 32, 8, 128, 16
 
@@ -57,40 +61,27 @@ def _workloads(batch: int, context: int) -> dict:
     }
 
 
-def _time_us(call, reps: int = 20, rounds: int = 7) -> float:
-    """Median over ``rounds`` of the mean time of ``reps`` back-to-back calls, in us."""
-    call()
-    torch.cuda.current_stream().synchronize()  # not the device: a posted receive never ends
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return statistics.median(times)
+def _time_us(call) -> float:
+    """Median microseconds of one call, waiting on this stream only (a posted receive
+    does not end while its sender waits)."""
+    return roofline.time_cuda_ms(call, warmup=2, repeat=40, sync_device=False) * 1e3
 
 
 def _comms(rank: int, lanes: int, ids) -> list:
-    from cupy.cuda import nccl
-
+    """``lanes`` 2-rank communicators, their ids drawn by rank 0 (as the transport's pairs)."""
     comms = []
     for _ in range(lanes):
         if rank == 0:
-            uid = nccl.get_unique_id()
-            ids.put(uid)
+            ids.put(uid := unique_id())
         else:
             uid = ids.get()
-        comms.append(nccl.NcclCommunicator(2, uid, rank))
+        comms.append(communicator(uid, rank))
     return comms
 
 
 def _run(rank: int, args, max_ctas: int, ids, go, barrier, results) -> None:
     faulthandler.dump_traceback_later(args.stall_s, exit=True)  # a hang shows where it is
-    if max_ctas:
-        os.environ["NCCL_MAX_CTAS"] = str(max_ctas)
+    cap_ctas(max_ctas or None)  # before the communicators, as the transport does
     torch.cuda.set_device(rank)
     import cupy
     from cupy.cuda import nccl
@@ -194,21 +185,21 @@ def main() -> None:
     print(
         f"{device}: receiver's kernels, b{args.batch} x {args.context} tokens, {args.lanes} lanes"
     )
-    print("| NCCL_MAX_CTAS | kernel | idle us | receive pending us | pending / idle | GB/s |")
-    print("|---|---|---:|---:|---:|---:|", flush=True)
+    columns = ["NCCL_MAX_CTAS", "kernel", "idle us", "receive pending us", "pending / idle"]
     rows = []
     for max_ctas in args.max_ctas:
         rows.append(row := _measure(args, max_ctas))
-        for name, idle in row["idle_us"].items():
-            pending = row["pending_us"][name]
-            print(
-                f"| {row['max_ctas'] or 'default'} | {name} | {idle:.1f} | {pending:.1f} | "
-                f"{pending / idle:.3f} | {row['transfer_gbps']:.1f} |",
-                flush=True,
-            )
+        table = [
+            [max_ctas or "NCCL's own", name, idle, row["pending_us"][name]]
+            + [row["pending_us"][name] / idle]
+            for name, idle in row["idle_us"].items()
+        ]
+        roofline.print_table(columns, table)
+        print(f"transfer: {row['transfer_gbps']:.1f} GB/s", flush=True)
     if args.json is not None:
-        path = Path(args.json or f"recv_spin_{device.replace(' ', '_')}.json")
-        path.write_text(json.dumps({"args": vars(args), "device": device, "rows": rows}, indent=1))
+        report = roofline.environment(roofline.command_line("recv_spin.py"))
+        path = args.json or f"recv_spin_{roofline.device_slug(device)}.json"
+        roofline.write_report(path, {**report, "args": vars(args), "rows": rows})
         print(f"wrote {path}")
 
 

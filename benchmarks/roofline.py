@@ -35,8 +35,13 @@ def time_cuda_ms(
     repeat: int = 20,
     flush_l2: bool = False,
     l2_flush_by: str = "read",
+    sync_device: bool = True,
 ) -> float:
     """Median milliseconds of one ``fn()``, from CUDA events around each call.
+
+    ``sync_device=False`` waits for the current stream only, before and after: for a
+    device with work on another stream that will not end while ``fn`` is timed (a
+    posted receive whose sender waits, ``recv_spin.py``).
 
     ``flush_l2`` empties L2 of useful lines before each timed call (outside the
     span), so ``fn`` reads its inputs from memory, as a layer's weights and KV
@@ -53,14 +58,15 @@ def time_cuda_ms(
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(repeat)
     ]
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if sync_device else torch.cuda.current_stream().synchronize
+    sync()
     for start, end in events:
         if flush is not None:
             evict_l2(flush, by=l2_flush_by)
         start.record()
         fn()
         end.record()
-    torch.cuda.synchronize()
+    sync()
     return median(start.elapsed_time(end) for start, end in events)
 
 
