@@ -8,6 +8,7 @@ Run on a machine with two GPUs: ``python -m pytest -q -m gpu tests/test_kv_trans
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -612,3 +613,29 @@ def test_dead_sender_fails_the_receiver_without_a_stuck_recv(sides):
     assert [e[2] for e in ray.get(receiver.events.remote())] == [True]
     assert [e[2] for e in ray.get(sender.events.remote())] == [True]
     _assert_arrived(sender, receiver, [7, 8], [9], 0, 32)
+
+
+CAP_SCRIPT = """
+import os, torch
+from splitserve.workers.kv.cache import KVCache
+from splitserve.workers.kv.layout import KVLayout
+from splitserve.workers.kv.transfer.registry import make_kv_transport
+cache = KVCache(KVLayout(2, 2, 64, 16, torch.bfloat16), 8, torch.device("cuda", 0))
+transport = make_kv_transport("nccl", cache, owner="cap", max_ctas=8)
+print(os.environ.get("NCCL_MAX_CTAS"))
+transport.close()
+"""
+
+
+@pytest.mark.parametrize("env, expected", [(None, "8"), ("4", "4")])
+def test_the_transport_caps_nccls_thread_blocks_before_any_communicator(env, expected):
+    """``max_ctas`` sets NCCL_MAX_CTAS in the worker's process when it is built (NCCL reads
+    it once, at the first communicator); a value the user set stays."""
+    environ = {k: v for k, v in os.environ.items() if k != "NCCL_MAX_CTAS"}
+    if env is not None:
+        environ["NCCL_MAX_CTAS"] = env
+    done = subprocess.run(
+        [sys.executable, "-c", CAP_SCRIPT], env=environ, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == expected
