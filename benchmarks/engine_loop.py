@@ -1,6 +1,7 @@
 """Steps through the whole engine loop, async scheduling on against off, vs the roofline.
 
-    python benchmarks/engine_loop.py [--steps N] [--json PATH] [--profile] [--sustained N]
+    python benchmarks/engine_loop.py [--steps N] [--batches B ...] [--json PATH] [--profile]
+                                     [--sustained N]
 
 The Qwen3-8B-shaped model of ``model_step.py`` (random bf16 weights, one GPU)
 serves real requests through ``LLMEngine.step``: scheduling, inputs, the graph
@@ -169,6 +170,14 @@ def main() -> None:
         "kernels.split_kv_max_batch; default: its default; 0: FlashInfer for every batch)",
     )
     parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=DECODE_BATCHES,
+        help=f"decode batches to time (default {' '.join(map(str, DECODE_BATCHES))}); one "
+        "between two graph sizes replays the larger graph, padded",
+    )
+    parser.add_argument(
         "--pdl",
         choices=["on", "off"],
         help="programmatic dependent launch between the Triton kernels (default: on, "
@@ -189,7 +198,7 @@ def main() -> None:
     kernels = KernelConfig()
     if args.split_kv_max_batch is not None:
         kernels = KernelConfig(split_kv_max_batch=args.split_kv_max_batch)
-    engine = bench_engine(args.kv_cache_gb, kernels)
+    engine = bench_engine(args.kv_cache_gb, kernels, max(64, *args.batches))
     shape = model_shape(engine)
     bench = LoopBench(engine)
     if args.sustained:
@@ -206,7 +215,7 @@ def main() -> None:
     if args.profile:
         profile_loops(bench)
     rows = []
-    for batch in DECODE_BATCHES:
+    for batch in args.batches:
 
         def measure(b=batch):
             wall, host, context = bench.decode(b, args.steps)

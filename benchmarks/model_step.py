@@ -100,10 +100,13 @@ def model_shape(engine: LLMEngine) -> Shape:
     )
 
 
-def bench_engine(kv_cache_gb: float, kernels: KernelConfig | None = None) -> LLMEngine:
+def bench_engine(
+    kv_cache_gb: float, kernels: KernelConfig | None = None, max_num_seqs: int = 64
+) -> LLMEngine:
     """The benchmarks' engine: MODEL with random bf16 weights on the GPU, prefix caching
-    off, up to 64 requests and PREFILL_TOKENS tokens a step; ``kernels``: the config's
-    kernel choices (default: the measured best)."""
+    off, up to ``max_num_seqs`` requests (decode graphs 1, 2, 4, 8, then every 16) and
+    PREFILL_TOKENS tokens a step; ``kernels``: the config's kernel choices (default: the
+    measured best)."""
     return LLMEngine(
         EngineConfig(
             model=MODEL,
@@ -112,7 +115,7 @@ def bench_engine(kv_cache_gb: float, kernels: KernelConfig | None = None) -> LLM
             load_format="dummy",
             cache=CacheConfig(kv_cache_memory_gb=kv_cache_gb, enable_prefix_caching=False),
             scheduler=SchedulerConfig(
-                max_num_seqs=64, max_num_batched_tokens=PREFILL_TOKENS, max_model_len=8192
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=PREFILL_TOKENS, max_model_len=8192
             ),
             cuda_graph=CudaGraphConfig(prefill_sizes=list(PIECEWISE_SIZES)),
             kernels=kernels or KernelConfig(),

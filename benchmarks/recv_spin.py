@@ -8,7 +8,8 @@ on the decode GPU, polling for bytes, for as long as the prompt computes. This
 benchmark measures what that takes from a decode step's kernels. Two processes, one
 GPU each (rank 0 sends, rank 1 receives); on the receiver, each kernel of a decode
 step at --batch requests and --context tokens (Qwen3-8B shape: the split-KV
-attention of one layer, a 4096 x 12288 projection, a 1 GiB copy) is timed
+attention of one layer, FlashInfer's decode of it (``--kernels flashinfer``), a
+4096 x 12288 projection, a 1 GiB copy) is timed
 
 - idle: nothing else on the GPU;
 - pending: with one receive posted on each of --lanes communicators (high-priority
@@ -56,9 +57,32 @@ def _workloads(batch: int, context: int) -> dict:
     turn = iter(range(1 << 62))
     return {
         "attention": lambda: decode_attention(q, k_cache, v_cache, table, lens, HEAD_DIM**-0.5),
+        "flashinfer attention": _flashinfer_decode(q, k_cache, v_cache, table, context),
         "projection": lambda: x @ weights[next(turn) % len(weights)],
         "copy 1 GiB": lambda: dst.copy_(src),
     }
+
+
+def _flashinfer_decode(q, k_cache, v_cache, table, context: int):
+    """FlashInfer's decode (the engine's above ``kernels.split_kv_max_batch``), planned
+    once for the batch, as a call."""
+    import flashinfer
+
+    from splitserve.workers.attention.flashinfer_backend import WORKSPACE_BYTES, tensor_core_decode
+
+    batch, blocks = table.shape
+    workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_tensor_cores=tensor_core_decode(HEADS, KV_HEADS)
+    )
+    int32 = {"dtype": torch.int32, "device": q.device}
+    last = context - (blocks - 1) * BLOCK
+    wrapper.plan(
+        torch.arange(batch + 1, **int32) * blocks, table.flatten(),
+        torch.full((batch,), last, **int32), HEADS, KV_HEADS, HEAD_DIM, BLOCK,
+        sm_scale=HEAD_DIM**-0.5, q_data_type=q.dtype, kv_data_type=k_cache.dtype,
+    )  # fmt: skip
+    return lambda: wrapper.run(q, (k_cache, v_cache))
 
 
 def _time_us(call) -> float:
