@@ -76,12 +76,13 @@ def print_tables(report: dict) -> None:
         roofline.print_table(columns, decode)
     if steps:
         print("\nThe decode GPU's decode-only steps as its engine loop timed them (the step and")
-        print("its outputs sent), by batch bucket, against the engine alone's step at the same")
-        print("mean batch and context (timed at several batches and two contexts, linear")
-        print("between them; '-' where the run had no engine alone); 'all': the time over")
-        print("every decode step (ms), and the loop's time by step kind (prefill/mixed/decode):")
+        print("its outputs sent; 'wait ms': of it, the loop waiting for the device's tokens,")
+        print("the rest is the host's own), by batch bucket, against the engine alone's step")
+        print("at the same mean batch and context (timed at several batches and two contexts,")
+        print("linear between them; '-' where the run had no engine alone); 'all': the time")
+        print("over every decode step (ms), and the loop's time by step kind (p/m/d):")
         columns = ["config", "load", "pool", "batch", "steps", "mean batch", "context"]
-        columns += ["served ms"]
+        columns += ["served ms", "wait ms"]
         roofline.print_table(columns + ["alone ms", "alone/served", "loop time p/m/d"], steps)
     has_slo = args["slo_ttft_ms"] is not None or args["slo_tpot_ms"] is not None
     attained = [slo_rate(c) for c in report["configs"]] if has_slo else []
@@ -144,13 +145,14 @@ def decode_step_rows(point: dict) -> list[list]:
     d = point["decode_steps"]
     rows = [
         [d["pool"], f"<={b['batch_bucket']}", b["steps"], b["mean_batch"], b["mean_context"]]
-        + [b["step_ms"], b["engine_step_ms"], b["served_vs_engine"], ""]
+        + [b["step_ms"], b.get("wait_ms"), b["engine_step_ms"], b["served_vs_engine"], ""]
         for b in d["buckets"]
     ]
     shares = (point.get("loop_time") or {}).get(d["pool"], {})
     split = "/".join(f"{shares.get(k, {}).get('share', 0.0):.0%}" for k in KINDS)
     alone_ms = d["engine_s"] * 1e3 if d["engine_s"] is not None else None
-    total = [d["pool"], "all", d["steps"], "", "", d["served_s"] * 1e3, alone_ms]
+    wait_ms = d["wait_s"] * 1e3 if d.get("wait_s") is not None else None
+    total = [d["pool"], "all", d["steps"], "", "", d["served_s"] * 1e3, wait_ms, alone_ms]
     return [*rows, [*total, d["served_vs_engine"], split]]
 
 

@@ -6,7 +6,8 @@ A served request's TPOT mixes the decode steps with whatever else shares its GPU
 loop's turns by step kind and batch (``splitserve_engine_steps_total``,
 ``..._step_requests_total``, ``..._step_seconds_total`` on ``/metrics``,
 ``workers/engine/step_times.py``); a load point's difference of two reads gives the
-decode-only steps at each batch with their mean context, and the engine alone's
+decode-only steps at each batch with their mean context and the part of their time the
+loop waited for the device (``..._step_wait_seconds_total``), and the engine alone's
 decode step timed at several batches and two contexts (``serve_engine.decode_step``)
 gives what the same steps take alone.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import re
 
 STEP_METRIC = re.compile(
-    r"splitserve_engine_(steps|step_requests|step_context_tokens|step_seconds)_total"
+    r"splitserve_engine_(steps|step_requests|step_context_tokens|step_seconds|step_wait_seconds)"
+    r"_total"
     r'\{batch="(\d+)",kind="(\w+)",pool="(\w+)"\}'
 )
 FIELDS = {
@@ -24,13 +26,15 @@ FIELDS = {
     "step_requests": "requests",
     "step_context_tokens": "context_tokens",
     "step_seconds": "seconds",
+    "step_wait_seconds": "wait_seconds",
 }
 DECODE_POOLS = ("decode", "mixed")
 
 
 def step_times(metrics: dict[str, float]) -> list[dict]:
     """The engines' step counters of a server's ``/metrics``, one dict a pool, kind and
-    batch bucket: ``{pool, kind, batch, steps, requests, context_tokens, seconds}``."""
+    batch bucket: ``{pool, kind, batch, steps, requests, context_tokens, seconds,
+    wait_seconds}``."""
     rows: dict[tuple[str, str, int], dict] = {}
     for name, value in metrics.items():
         m = STEP_METRIC.fullmatch(name)
@@ -76,7 +80,8 @@ def engine_step_ms(engine: dict, batch: float, context: float) -> float:
 def decode_against_engine(steps: list[dict], engine: dict | None) -> dict | None:
     """The served decode-only steps of the decode pool (else the mixed pool), batch
     bucket by bucket, against the engine alone's step at each bucket's mean batch and
-    context (``engine_step_ms``): ``served_vs_engine`` is alone's time over served's
+    context (``engine_step_ms``; ``wait_ms``, ``wait_s``: of the served time, the
+    loop's wait for the device's tokens): ``served_vs_engine`` is alone's time over served's
     for the same steps (the decode GPU's served rate over its rate alone on the same
     batches); ``at_batch``: the bucket that holds the engine's own batch, when one ran.
     Without the engine's timings by batch the served buckets come alone (the engine's
@@ -90,6 +95,7 @@ def decode_against_engine(steps: list[dict], engine: dict | None) -> dict | None
     timed = bool((engine or {}).get("decode_step_ms_by_batch"))
     buckets = [_bucket(r, engine if timed else None) for r in rows]
     served_s = sum(r["seconds"] for r in rows)
+    wait_s = sum(r.get("wait_seconds", 0.0) for r in rows)
     alone_s = sum(b["engine_step_ms"] * b["steps"] for b in buckets) / 1e3 if timed else None
     top = engine["decode_batch"] if timed else None
     at_batch = next((b for b in buckets if b["batch_bucket"] >= top), None) if timed else None
@@ -97,6 +103,7 @@ def decode_against_engine(steps: list[dict], engine: dict | None) -> dict | None
         "pool": pool,
         "steps": sum(b["steps"] for b in buckets),
         "served_s": served_s,
+        "wait_s": wait_s,
         "engine_s": alone_s,
         "served_vs_engine": alone_s / served_s if timed else None,
         "at_batch": at_batch,
@@ -108,6 +115,7 @@ def _bucket(row: dict, engine: dict | None) -> dict:
     mean = row["requests"] / row["steps"]
     context = row.get("context_tokens", 0) / row["requests"]
     served_ms = row["seconds"] / row["steps"] * 1e3
+    wait_ms = row.get("wait_seconds", 0.0) / row["steps"] * 1e3
     alone_ms = engine_step_ms(engine, mean, context) if engine else None
     return {
         "batch_bucket": row["batch"],
@@ -115,6 +123,7 @@ def _bucket(row: dict, engine: dict | None) -> dict:
         "mean_batch": mean,
         "mean_context": context,
         "step_ms": served_ms,
+        "wait_ms": wait_ms,  # of it, the loop waiting for the device; the rest the host's
         "engine_step_ms": alone_ms,
         "served_vs_engine": alone_ms / served_ms if engine else None,
     }

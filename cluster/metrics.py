@@ -128,7 +128,8 @@ class PoolCollector:
 
     def _step_times(self) -> list[CounterMetricFamily]:
         """Per pool, step kind and batch bucket: the engine loops' steps, the requests in
-        them, their context tokens and their seconds (``workers/engine/step_times.py``):
+        them, their context tokens, their seconds and those of them waiting for the
+        device (``workers/engine/step_times.py``):
         a pool's decode rate at a batch is requests over seconds."""
         labels = ["pool", "kind", "batch"]
         families = [
@@ -152,8 +153,15 @@ class PoolCollector:
                 "Seconds of those loop turns (the step and its outputs sent)",
                 labels=labels,
             ),
+            CounterMetricFamily(
+                "splitserve_engine_step_wait_seconds",
+                "Of those seconds, the loop's wait for the device's tokens (the rest: the host's)",
+                labels=labels,
+            ),
         ]
-        totals: defaultdict[tuple[str, str, int], list[float]] = defaultdict(lambda: [0, 0, 0, 0.0])
+        totals: defaultdict[tuple[str, str, int], list[float]] = defaultdict(
+            lambda: [0.0] * len(families)
+        )
         for pool, stats in self.snapshot.values():
             for kind, batch, *counts in stats.get("step_times") or []:
                 total = totals[pool, kind, batch]

@@ -100,7 +100,8 @@ def test_the_engine_loop_counts_its_steps_by_kind_and_batch(client):
 
     def totals() -> dict[str, list]:
         sums: dict[str, list] = {}
-        for kind, _, steps, requests, _, seconds in client.stats.step_times:
+        for kind, _, steps, requests, _, seconds, wait in client.stats.step_times:
+            assert 0 <= wait <= seconds  # the wait for the device's tokens is in the turn
             old = sums.get(kind, [0, 0, 0.0])
             sums[kind] = [old[0] + steps, old[1] + requests, old[2] + seconds]
         return sums

@@ -345,6 +345,7 @@ def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
     assert {b["batch_bucket"] for b in steps["buckets"]} <= {1, 2}
     for b in steps["buckets"]:
         assert 1 <= b["mean_batch"] <= 2 and b["step_ms"] > 0 and b["engine_step_ms"] > 0
+        assert 0 <= b["wait_ms"] <= b["step_ms"]
     assert steps["served_vs_engine"] == pytest.approx(steps["engine_s"] / steps["served_s"])
     loop = closed_point["loop_time"]["decode"]
     assert set(loop) == {"decode"} and loop["decode"]["share"] == pytest.approx(1.0)

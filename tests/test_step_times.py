@@ -25,14 +25,14 @@ def test_kind_and_bucket_of_a_step():
 
 def test_step_times_sum_steps_requests_context_and_seconds_by_kind_and_bucket():
     times = StepTimes()
-    times.record(90, 0, 90 * 2100, 0.013)
-    times.record(96, 0, 96 * 2100, 0.014)
-    times.record(96, 3, 93 * 2100 + 3 * 1000, 0.060)
-    times.record(2, 2, 2000, 0.045)
+    times.record(90, 0, 90 * 2100, 0.013, 0.011)
+    times.record(96, 0, 96 * 2100, 0.014, 0.012)
+    times.record(96, 3, 93 * 2100 + 3 * 1000, 0.060, 0.058)
+    times.record(2, 2, 2000, 0.045)  # no wait given: none
     assert times.rows() == [
-        ["decode", 96, 2, 186, 186 * 2100, pytest.approx(0.027)],
-        ["mixed", 96, 1, 96, 93 * 2100 + 3000, 0.060],
-        ["prefill", 2, 1, 2, 2000, 0.045],
+        ["decode", 96, 2, 186, 186 * 2100, pytest.approx(0.027), pytest.approx(0.023)],
+        ["mixed", 96, 1, 96, 93 * 2100 + 3000, 0.060, 0.058],
+        ["prefill", 2, 1, 2, 2000, 0.045, 0.0],
     ]  # fmt: skip
     with pytest.raises(ValueError, match="at least one request"):
         times.record(0, 0, 0, 0.001)
@@ -57,6 +57,7 @@ def test_an_engine_step_says_how_many_requests_it_ran_and_how_many_computed_prom
         engine.step()
         s = engine.last_step
         steps.append((s.num_requests, s.num_prompt_requests, s.num_context_tokens))
+        assert 0 <= s.wait_seconds <= s.seconds  # the read-back's wait is part of the step
     # a: 6 prompt tokens, then one a step; b: 10 of its 20, the other 10, then one a step
     assert steps[:4] == [(2, 2, 6 + 10), (2, 1, 7 + 20), (2, 0, 8 + 21), (2, 0, 9 + 22)]
     assert all(prompting == 0 for _, prompting, _ in steps[2:])
@@ -69,10 +70,10 @@ def test_step_times_are_counters_by_pool_kind_and_batch():
     snapshot = {
         "d1": (
             "decode",
-            stats([["decode", 96, 10, 950, 9500, 0.14], ["decode", 8, 2, 14, 140, 0.01]]),
+            stats([["decode", 96, 10, 950, 9500, 0.14, 0.125], ["decode", 8, 2, 14, 140, 0.01, 0]]),
         ),
-        "d2": ("decode", stats([["decode", 96, 5, 480, 4800, 0.07]])),
-        "p1": ("prefill", stats([["prefill", 1, 3, 3, 30, 0.15]])),
+        "d2": ("decode", stats([["decode", 96, 5, 480, 4800, 0.07, 0.0625]])),
+        "p1": ("prefill", stats([["prefill", 1, 3, 3, 30, 0.15, 0.1]])),
     }
     registry = CollectorRegistry()
     registry.register(PoolCollector(snapshot))
@@ -82,6 +83,7 @@ def test_step_times_are_counters_by_pool_kind_and_batch():
     assert f"splitserve_engine_step_requests_total{labels} 1430.0" in text
     assert f"splitserve_engine_step_context_tokens_total{labels} 14300.0" in text
     assert f"splitserve_engine_step_seconds_total{labels} 0.21" in text
+    assert f"splitserve_engine_step_wait_seconds_total{labels} 0.1875" in text
     assert 'splitserve_engine_steps_total{batch="1",kind="prefill",pool="prefill"} 3.0' in text
     # what serve_bench reads back from the same text, buckets in numeric order
     rows = serve_steps.step_times(serve_process.parse_metrics(text))
@@ -91,21 +93,24 @@ def test_step_times_are_counters_by_pool_kind_and_batch():
     assert rows[1] == {
         "pool": "decode", "kind": "decode", "batch": 96,
         "steps": 15.0, "requests": 1430.0, "context_tokens": 14300.0,
-        "seconds": pytest.approx(0.21),
+        "seconds": pytest.approx(0.21), "wait_seconds": pytest.approx(0.1875),
     }  # fmt: skip
 
 
-def _row(pool, kind, batch, steps, requests, seconds, context=2048) -> dict:
+def _row(pool, kind, batch, steps, requests, seconds, context=2048, wait=0.0) -> dict:
     keys = {"pool": pool, "kind": kind, "batch": batch}
     counts = {"steps": steps, "requests": requests, "context_tokens": requests * context}
-    return keys | counts | {"seconds": seconds}
+    return keys | counts | {"seconds": seconds, "wait_seconds": wait}
 
 
 def test_a_runs_steps_are_the_difference_of_two_reads():
-    before = [_row("decode", "decode", 96, 10, 960, 0.13)]
-    after = [_row("decode", "decode", 96, 30, 2880, 0.40), _row("decode", "mixed", 96, 2, 192, 0.1)]
+    before = [_row("decode", "decode", 96, 10, 960, 0.13, wait=0.125)]
+    after = [
+        _row("decode", "decode", 96, 30, 2880, 0.40, wait=0.375),
+        _row("decode", "mixed", 96, 2, 192, 0.1),
+    ]
     assert serve_steps.difference(before, after) == [
-        _row("decode", "decode", 96, 20, 1920, pytest.approx(0.27)),
+        _row("decode", "decode", 96, 20, 1920, pytest.approx(0.27), wait=0.25),
         _row("decode", "mixed", 96, 2, 192, 0.1),
     ]
     assert serve_steps.difference(after, after) == []
@@ -133,8 +138,8 @@ def test_served_decode_steps_are_compared_bucket_by_bucket_with_the_engine_alone
         "decode_context_by_batch": {"16": 2048, "96": 2048},
     }
     steps = [
-        _row("decode", "decode", 16, 10, 160, 0.1),  # 16 a step, 10 ms each (alone: 8)
-        _row("decode", "decode", 96, 100, 9400, 1.3),  # 94 a step, 13 ms (alone: 11.9)
+        _row("decode", "decode", 16, 10, 160, 0.1, wait=0.0625),  # 16 a step, 10 ms (alone: 8)
+        _row("decode", "decode", 96, 100, 9400, 1.3, wait=1.25),  # 94 a step, 13 ms (alone: 11.9)
         _row("decode", "mixed", 96, 10, 960, 0.6),  # not a decode step: not compared
         _row("prefill", "prefill", 4, 10, 40, 2.0),
     ]
@@ -142,6 +147,8 @@ def test_served_decode_steps_are_compared_bucket_by_bucket_with_the_engine_alone
     assert (d["pool"], d["steps"]) == ("decode", 110)
     small, top = d["buckets"]
     assert (small["mean_batch"], small["step_ms"]) == (16, pytest.approx(10.0))
+    assert (small["wait_ms"], top["wait_ms"]) == (pytest.approx(6.25), pytest.approx(12.5))
+    assert d["wait_s"] == pytest.approx(1.3125)  # of the decode steps' 1.4 s
     assert small["served_vs_engine"] == pytest.approx(0.8)
     assert top["mean_batch"] == 94 and top["engine_step_ms"] == pytest.approx(11.9)
     assert top["served_vs_engine"] == pytest.approx(11.9 / 13.0)

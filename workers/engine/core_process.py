@@ -217,7 +217,7 @@ class EngineCore:
         if engine.last_step is not last_step:  # the call launched a step
             step, turn = engine.last_step, time.perf_counter() - turn_started
             counts = step.num_requests, step.num_prompt_requests, step.num_context_tokens
-            self.step_times.record(*counts, turn)
+            self.step_times.record(*counts, turn, step.wait_seconds)
         if self._prefill_step_delay_s and _mid_prefill(engine):
             time.sleep(self._prefill_step_delay_s)  # a long step, as the replica sees it
         self._step_started = None

@@ -82,6 +82,9 @@ class StepStats:
     num_requests: int = 0  # in the step's batch
     num_prompt_requests: int = 0  # of them, those computing prompt tokens
     num_context_tokens: int = 0  # their tokens in the KV cache once the step is done
+    # Of ``seconds``, those waiting for the device's tokens (a step read back): with
+    # async scheduling, how long the device's step outlasted the host's work beside it.
+    wait_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -197,6 +200,7 @@ class LLMEngine:
             stream_interval=config.scheduler.stream_interval,
         )
         self.last_step = StepStats()
+        self._wait_seconds = 0.0  # the step in progress's ``StepStats.wait_seconds``
         self.num_preemptions = 0
         self.num_late_tickets = 0  # tickets given after their prompt (give_ticket)
         self.handoff: KVHandoff | None = None  # prefill and decode workers: the KV hand-off
@@ -500,6 +504,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        self._wait_seconds = 0.0
         lockstep = self.runner.lockstep is not None  # every call is one step of the group
         outputs = self._handle_transfers()
         self._send_deferred_drafts()  # before this step's forward reuses their inputs
@@ -537,6 +542,7 @@ class LLMEngine:
                 len(batch.requests),
                 prompting,
                 context,
+                self._wait_seconds,
             )
         return outputs
 
@@ -567,7 +573,9 @@ class LLMEngine:
 
     def _read_back(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs."""
+        waiting = time.perf_counter()
         result = launched.result()
+        self._wait_seconds += time.perf_counter() - waiting
         tokens = {rid: toks for rid, (toks, _) in result.sampled.items()}
         self.spec_stats.count(launched.sampling, result.sampled)
         self.scheduler.resolve(launched.batch, tokens)

@@ -255,7 +255,8 @@ class WorkerStats:
     # ranks summed.
     forward_counts: list[list] = field(default_factory=list)
     # The engine loop's turns that ran a step, so far, by the step's kind and batch:
-    # ``[[kind, batch bucket, steps, requests, context tokens, seconds], ...]``
+    # ``[[kind, batch bucket, steps, requests, context tokens, seconds, seconds waiting
+    # for the device], ...]``
     # (``workers/engine/step_times.py``; an expert-parallel group: rank 0's loop).
     step_times: list[list] = field(default_factory=list)
 

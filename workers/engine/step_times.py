@@ -8,10 +8,13 @@ step's kind (``decode``: every request adds its next token, or verifies its draf
 rounded up to a bucket (1, 2, 4, 8, then every 16: the decode graphs' sizes). Served
 as ``splitserve_engine_steps_total``, ``splitserve_engine_step_requests_total``,
 ``splitserve_engine_step_context_tokens_total`` (the requests' tokens in the KV
-cache after the step: what its attention read) and
-``splitserve_engine_step_seconds_total`` with labels pool, kind and batch (the
-bucket's upper edge): a pool's decode rate at a batch is requests over seconds, the
-figure SGLang's decode log calls "gen throughput".
+cache after the step: what its attention read),
+``splitserve_engine_step_seconds_total`` and
+``splitserve_engine_step_wait_seconds_total`` (of those seconds, the loop's wait
+for the device's tokens: with async scheduling, how long the device's step outlasted
+the host's work beside it; the rest is the host's own) with labels pool, kind and
+batch (the bucket's upper edge): a pool's decode rate at a batch is requests over
+seconds, the figure SGLang's decode log calls "gen throughput".
 """
 
 from __future__ import annotations
@@ -35,17 +38,24 @@ def batch_bucket(num_requests: int) -> int:
 
 
 class StepTimes:
-    """Steps, their requests, context tokens and seconds so far, by kind and batch bucket."""
+    """Steps, their requests, context tokens, seconds and seconds waiting for the device
+    so far, by kind and batch bucket."""
 
     def __init__(self) -> None:
-        self._totals: defaultdict[tuple[str, int], list] = defaultdict(lambda: [0, 0, 0, 0.0])
+        self._totals: defaultdict[tuple[str, int], list] = defaultdict(lambda: [0, 0, 0, 0.0, 0.0])
 
     def record(
-        self, num_requests: int, num_prompt_requests: int, num_context_tokens: int, seconds: float
+        self,
+        num_requests: int,
+        num_prompt_requests: int,
+        num_context_tokens: int,
+        seconds: float,
+        wait_seconds: float = 0.0,
     ) -> None:
         """A step of ``num_requests``, ``num_prompt_requests`` of them computing prompt
         tokens, ``num_context_tokens`` in their KV once it is done (what attention reads),
-        whose loop turn took ``seconds``."""
+        whose loop turn took ``seconds``, ``wait_seconds`` of them waiting for the
+        device's tokens."""
         if num_requests < 1 or not 0 <= num_prompt_requests <= num_requests:
             raise ValueError(
                 f"a step of {num_requests} requests, {num_prompt_requests} of them computing "
@@ -57,8 +67,9 @@ class StepTimes:
         totals[1] += num_requests
         totals[2] += num_context_tokens
         totals[3] += seconds
+        totals[4] += wait_seconds
 
     def rows(self) -> list[list]:
-        """``[[kind, batch bucket, steps, requests, context tokens, seconds], ...]`` (what
-        ``WorkerStats`` carries), sorted."""
+        """``[[kind, batch bucket, steps, requests, context tokens, seconds, wait
+        seconds], ...]`` (what ``WorkerStats`` carries), sorted."""
         return [[kind, edge, *totals] for (kind, edge), totals in sorted(self._totals.items())]
