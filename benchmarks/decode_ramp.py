@@ -30,8 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_step import StepBench, bench_engine  # noqa: E402
 from roofline import command_line, device_slug, environment, print_table, write_report  # noqa: E402
@@ -115,9 +113,8 @@ def main() -> None:
     engine = bench_engine(args.kv_cache_gb, kernels, max(64, args.high))
     bench = StepBench(engine)
     requests = live_requests(bench, args.high, args.context)
-    with torch.inference_mode():
-        ramped = ramp(bench, requests, args.low, args.steps_each, use_graphs=True)
-        held = steady(bench, requests, args.low, args.steps_each, use_graphs=True)
+    ramped = ramp(bench, requests, args.low, args.steps_each, use_graphs=True)
+    held = steady(bench, requests, args.low, args.steps_each, use_graphs=True)
     rows = by_bucket(ramped, held)
     split = getattr(engine.runner.attn_backend, "split_kv_max_batch", None)
     print(f"\nDecode steps, ms, {args.context} tokens a request, split-KV up to {split}:")

@@ -151,7 +151,7 @@ def decode_step_rows(point: dict) -> list[list]:
     shares = (point.get("loop_time") or {}).get(d["pool"], {})
     split = "/".join(f"{shares.get(k, {}).get('share', 0.0):.0%}" for k in KINDS)
     alone_ms = d["engine_s"] * 1e3 if d["engine_s"] is not None else None
-    wait_ms = d["wait_s"] * 1e3 if d.get("wait_s") is not None else None
+    wait_ms = d["wait_s"] * 1e3 if d.get("wait_s") is not None else None  # older reports: none
     total = [d["pool"], "all", d["steps"], "", "", d["served_s"] * 1e3, wait_ms, alone_ms]
     return [*rows, [*total, d["served_vs_engine"], split]]
 

@@ -52,7 +52,7 @@ def difference(before: list[dict], after: list[dict]) -> list[dict]:
     out = []
     for row in after:
         old = earlier.get((row["pool"], row["kind"], row["batch"]), {})
-        delta = {k: row.get(k, 0) - old.get(k, 0) for k in FIELDS.values()}
+        delta = {k: row[k] - old.get(k, 0) for k in FIELDS.values() if k in row}
         if delta["steps"] > 0:
             out.append({"pool": row["pool"], "kind": row["kind"], "batch": row["batch"], **delta})
     return out
@@ -95,7 +95,8 @@ def decode_against_engine(steps: list[dict], engine: dict | None) -> dict | None
     timed = bool((engine or {}).get("decode_step_ms_by_batch"))
     buckets = [_bucket(r, engine if timed else None) for r in rows]
     served_s = sum(r["seconds"] for r in rows)
-    wait_s = sum(r.get("wait_seconds", 0.0) for r in rows)
+    waits = [r.get("wait_seconds") for r in rows]
+    wait_s = None if None in waits else sum(waits)  # None: a server without the counter
     alone_s = sum(b["engine_step_ms"] * b["steps"] for b in buckets) / 1e3 if timed else None
     top = engine["decode_batch"] if timed else None
     at_batch = next((b for b in buckets if b["batch_bucket"] >= top), None) if timed else None
@@ -115,7 +116,8 @@ def _bucket(row: dict, engine: dict | None) -> dict:
     mean = row["requests"] / row["steps"]
     context = row.get("context_tokens", 0) / row["requests"]
     served_ms = row["seconds"] / row["steps"] * 1e3
-    wait_ms = row.get("wait_seconds", 0.0) / row["steps"] * 1e3
+    wait = row.get("wait_seconds")
+    wait_ms = None if wait is None else wait / row["steps"] * 1e3
     alone_ms = engine_step_ms(engine, mean, context) if engine else None
     return {
         "batch_bucket": row["batch"],

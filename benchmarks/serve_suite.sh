@@ -38,6 +38,13 @@ qwen() {  # qwen NAME CONFIG [ARGS...]: the issue's sweep of one config
     --low-load-ttft 10 --http-floor --slo-ttft-ms 1000 --slo-tpot-ms 25 "$@" \
     --json "$out/$name.json.gz" --plot "$out/$name.png" --server-log "$out/$name.server.log"
 }
+pd_ab() {  # pd_ab NAME CONFIG [ARGS...]: 1P1D against CONFIG in one run, decode batch 96
+  local name=$1 config=$2
+  shift 2
+  step "$name" 590 python benchmarks/serve_bench.py --config $bench/qwen3-8b-1p1d.yaml \
+    "$config" --input-len 2048 --output-len 512 --num-prompts 96 --max-concurrency 96 "$@" \
+    --json "$out/$name.json.gz" --server-log "$out/$name.server.log"
+}
 case $part in
   pd) qwen serve_bench_1p1d $bench/qwen3-8b-1p1d.yaml --engine-baseline ;;
   mixed) qwen serve_bench_mixed2 $bench/qwen3-8b-mixed2.yaml ;;
@@ -57,14 +64,7 @@ case $part in
     --config $bench/qwen3-8b-1p1d.yaml --input-len 2048 --output-len 1024 --num-prompts 96 \
     --max-concurrency 96 --engine-baseline --json "$out/serve_bench_decode.json.gz" \
     --server-log "$out/serve_bench_decode.server.log" ;;
-  ctas) step serve_bench_ctas 590 python benchmarks/serve_bench.py \
-    --config $bench/qwen3-8b-1p1d.yaml $bench/qwen3-8b-1p1d-ctas16.yaml --input-len 2048 \
-    --output-len 512 --num-prompts 96 --max-concurrency 96 --low-load-ttft 10 \
-    --json "$out/serve_bench_ctas.json.gz" --server-log "$out/serve_bench_ctas.server.log" ;;
-  attention) step serve_bench_attention 590 python benchmarks/serve_bench.py \
-    --config $bench/qwen3-8b-1p1d.yaml $bench/qwen3-8b-1p1d-flashinfer-decode.yaml \
-    --input-len 2048 --output-len 512 --num-prompts 96 --max-concurrency 96 \
-    --json "$out/serve_bench_attention.json.gz" \
-    --server-log "$out/serve_bench_attention.server.log" ;;
+  ctas) pd_ab serve_bench_ctas $bench/qwen3-8b-1p1d-ctas16.yaml --low-load-ttft 10 ;;
+  attention) pd_ab serve_bench_attention $bench/qwen3-8b-1p1d-flashinfer-decode.yaml ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

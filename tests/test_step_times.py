@@ -5,6 +5,7 @@ Prometheus counters, and ``serve_bench``'s decode rate from them
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -63,6 +64,30 @@ def test_an_engine_step_says_how_many_requests_it_ran_and_how_many_computed_prom
     assert all(prompting == 0 for _, prompting, _ in steps[2:])
 
 
+def test_a_step_counts_its_wait_for_the_devices_tokens(monkeypatch):
+    """The read-back's wait is the step's ``wait_seconds``: here the tokens come 30 ms
+    late (as a device still computing would give them), and every step that read one
+    back counts those 30 ms of its time; the rest is the host's."""
+    from splitserve.workers.runner.model_runner import LaunchedStep
+
+    result = LaunchedStep.result
+
+    def late_result(self):
+        time.sleep(0.03)
+        return result(self)
+
+    monkeypatch.setattr(LaunchedStep, "result", late_result)
+    llm = LLM("qwen3-tiny", device="cpu", scheduler={"max_num_seqs": 2})
+    engine = llm.engine
+    engine.add_request("a", list(range(5, 11)), SamplingParams(max_tokens=4, ignore_eos=True))
+    waits = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        waits.append((engine.last_step.wait_seconds, engine.last_step.seconds))
+    assert len(waits) >= 4
+    assert all(0.03 <= wait <= seconds for wait, seconds in waits)
+
+
 def test_step_times_are_counters_by_pool_kind_and_batch():
     def stats(rows) -> dict:
         return WorkerStats("decode", 1, step_times=rows).as_dict()
@@ -114,6 +139,11 @@ def test_a_runs_steps_are_the_difference_of_two_reads():
         _row("decode", "mixed", 96, 2, 192, 0.1),
     ]
     assert serve_steps.difference(after, after) == []
+    # a server without the wait counter: no wait, rather than a wait of 0
+    old = [{k: v for k, v in row.items() if k != "wait_seconds"} for row in after]
+    d = serve_steps.decode_against_engine(serve_steps.difference([], old), None)
+    assert d["wait_s"] is None and d["buckets"][0]["wait_ms"] is None
+    assert d["served_s"] == pytest.approx(0.40)
 
 
 def test_the_engine_alones_step_is_moved_to_the_context_then_linear_in_the_batch():
