@@ -194,8 +194,9 @@ def bench_target(args, config: Path | None, url: str | None, progress=None) -> d
         target = contextlib.nullcontext(url)
     else:
         host = values.get("host", "127.0.0.1")
+        extra = ["--torch-profiler-dir", args.torch_profiler_dir] if args.torch_profiler_dir else []
         target = sp.served(
-            config, host, args.model, args.port, args.startup_timeout, args.server_log
+            config, host, args.model, args.port, args.startup_timeout, args.server_log, extra
         )
     with target as base:
         out["served_models"] = sp.get_json(f"{base}/v1/models")["data"]
@@ -288,16 +289,24 @@ def one_run(args, url: str, point: LoadPoint, specs, seed: str) -> dict:
     """One repetition of a point: its summary, the routes its requests took, the CPU, each
     request, and the engines' own steps over it."""
     before = settled_counters(url)  # the warm-up's and the last run's all in
+    profiled = args.torch_profiler_dir is not None and seed.endswith("/0")
+    if profiled:  # a point's first run, under every engine's torch.profiler
+        sp.post_json(f"{url}/start_profile")
     probe = sp.CpuProbe()
     results, seconds = run(url, specs, point.mode, point.value, args, seed)
     cpu = warn_if_busy(probe.stop(), f"during {point.label}")
+    traces = sp.post_json(f"{url}/stop_profile", timeout=600.0)["engines"] if profiled else None
     after = settled_counters(url)
     summary = serve_load.summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
     old, new = before["routes"], after["routes"]
     routes = {k: v - old.get(k, 0) for k, v in new.items() if v != old.get(k, 0)}
     steps = serve_steps.difference(before["steps"], after["steps"])
     requests = [r.record() for r in results]
-    return {"summary": summary, "routes": routes, "cpu": cpu, "steps": steps, "requests": requests}
+    out = {"summary": summary, "routes": routes, "cpu": cpu, "steps": steps, "requests": requests}
+    if traces is not None:
+        out["traces"] = traces  # each engine's trace: its pool, worker and path
+        print(f"profiled: {', '.join(t['trace'] for t in traces)}", flush=True)
+    return out
 
 
 def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | None) -> dict:
@@ -413,6 +422,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a read may wait")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--server-log", type=Path, help="append the started servers' output here")
+    p.add_argument(
+        "--torch-profiler-dir",
+        metavar="DIR",
+        help="each load point's first run under every engine's torch.profiler (POST "
+        "/start_profile, /stop_profile); a started server writes its traces into DIR "
+        "(a server at --url needs its own --torch-profiler-dir); read them with "
+        "trace_steps.py. The profiled run's figures carry the profiler's cost",
+    )
     p.add_argument("--json", type=Path, help="write every point and request here")
     p.add_argument("--plot", type=Path, help="PNG of latency and goodput against load")
     args = p.parse_args(argv)

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -51,6 +51,13 @@ def splitserve_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "splitserve.cluster.cli"]
 
 
+def post_json(url: str, timeout: float = 60.0):
+    """A bodyless POST's JSON answer (HTTPError on an error status)."""
+    request = urllib.request.Request(url, b"", method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
 def get_json(url: str, timeout: float = 10.0):
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -64,11 +71,14 @@ def served(
     port: int | None,
     startup_s: float,
     log_path: Path | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
-    """``splitserve serve --config`` in a subprocess until the block ends; its base URL."""
+    """``splitserve serve --config`` (and ``extra_args``) in a subprocess until the block
+    ends; its base URL."""
     port = port or free_port()
     cmd = [*splitserve_command(), "serve", "--config", str(config), "--port", str(port)]
     cmd += ["--model", model] if model else []
+    cmd += list(extra_args)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     log_file = open(log_path, "a+") if log_path else tempfile.TemporaryFile("w+")  # noqa: SIM115

@@ -7,9 +7,9 @@ In order, for every HTTP request:
 2. The API key: ``Authorization: Bearer <key>`` as OpenAI's clients send it;
    401 when it is missing or wrong (``/health`` and ``/metrics`` are open unless
    ``http.auth_health_and_metrics``).
-3. A POST body must be ``application/json`` (415) and at most
-   ``http.max_body_bytes`` (413, from ``Content-Length`` before reading, or
-   while reading a chunked body). The body is read here and handed on whole.
+3. A POST body must be ``application/json`` (415; the profiler's two endpoints
+   take none) and at most ``http.max_body_bytes`` (413, from ``Content-Length``
+   before reading, or while reading a chunked body). The body is read here and handed on whole.
 4. ``routes`` (the completions endpoints) go straight to their ASGI handler, not
    through the app's router, dependencies and middleware (on the 2-core CPU box
    about 0.25 ms a request, and three wrappers around every streamed chunk's
@@ -41,6 +41,7 @@ from splitserve.cluster.serve_config import HttpConfig
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/metrics")  # without the key unless auth_health_and_metrics
+BODYLESS_POSTS = ("/start_profile", "/stop_profile")  # take no body: any Content-Type
 
 
 class HttpGuard:
@@ -115,7 +116,7 @@ class HttpGuard:
                 )
             if not hmac.compare_digest(token.strip().encode(), key.encode()):
                 raise unauthorized("the API key is not valid")
-        if scope.get("method") == "POST":
+        if scope.get("method") == "POST" and path not in BODYLESS_POSTS:
             media = headers.get("content-type", "").split(";")[0].strip().lower()
             if media != "application/json":
                 shown = media or "none"

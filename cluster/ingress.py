@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from splitserve.cluster import routing
+from splitserve.cluster.engine_profiles import profile_engines
 from splitserve.cluster.http_guard import HttpGuard
 from splitserve.cluster.metrics import INGRESS, ServingMetrics
 from splitserve.cluster.openai_api import (
@@ -173,6 +174,20 @@ class OpenAIIngress:
             status, can_serve = "draining", False
         body = {"status": status, "replicas": live}
         return JSONResponse(body, status_code=200 if can_serve else 503)
+
+    @app.post("/start_profile")
+    async def start_profile(self) -> Response:
+        """Every engine records with torch.profiler (``engine_profiles.py``)."""
+        return await self._profile(start=True)
+
+    @app.post("/stop_profile")
+    async def stop_profile(self) -> Response:
+        """Every engine writes what it recorded since ``/start_profile``."""
+        return await self._profile(start=False)
+
+    async def _profile(self, start: bool) -> Response:
+        live = {pool: self.workers.connections(pool) for pool, h in self.pools.items() if h}
+        return await profile_engines(live, self.config.engine.torch_profiler_dir, start)
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

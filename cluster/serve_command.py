@@ -76,6 +76,12 @@ def add_parsers(commands) -> None:
         "with the checkpoint's MTP layer",
     )
     p.add_argument(
+        "--torch-profiler-dir",
+        metavar="DIR",
+        help="turn on POST /start_profile and /stop_profile: each engine writes its "
+        "torch.profiler trace (a Chrome trace) into DIR (engine.torch_profiler_dir)",
+    )
+    p.add_argument(
         "--api-key",
         help="clients must send 'Authorization: Bearer <key>' (else SPLITSERVE_API_KEY, "
         "else the config's http.api_key)",
@@ -103,6 +109,8 @@ def load_config(args: argparse.Namespace):
         )
     if getattr(args, "kv_cache_dtype", None):
         values["engine"]["cache"]["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "torch_profiler_dir", None):  # absolute: engines run elsewhere
+        values["engine"]["torch_profiler_dir"] = str(Path(args.torch_profiler_dir).resolve())
     if getattr(args, "stream_interval", None) is not None:
         values["engine"]["scheduler"]["stream_interval"] = args.stream_interval
     if args.device:

@@ -383,6 +383,11 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # A directory for torch.profiler traces: the engine records a window between the
+    # server's POST /start_profile and /stop_profile (LLM.start_profile / stop_profile
+    # offline) and writes it there, on the engine's node (give an absolute path: a
+    # served engine's working directory is Ray's); None: profiling is off.
+    torch_profiler_dir: str | None = None
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -42,6 +42,14 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def start_profile(self) -> None:
+        """Record what follows with ``torch.profiler`` (needs ``torch_profiler_dir``)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> str:
+        """Stop recording; returns the path of the Chrome trace written."""
+        return self.engine.stop_profile()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

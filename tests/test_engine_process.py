@@ -295,6 +295,21 @@ def test_a_wrong_secret_or_an_oversized_frame_closes_the_connection_only(client)
     assert len(tokens) == GREEDY.max_tokens and client.alive
 
 
+def test_a_profile_call_is_answered_and_profiling_off_says_how_to_turn_it_on(client):
+    async def run():
+        front = await _front(client)
+        answers = [await front.profile(start=True), await front.profile(start=False)]
+        tokens, _ = await _collect(front, GenerateCall("after-profile", [3, 4, 5], GREEDY))
+        front.close()
+        return answers, tokens
+
+    answers, tokens = asyncio.run(run())
+    for answer in answers:  # this engine has no torch_profiler_dir
+        assert answer.trace is None and "--torch-profiler-dir" in answer.error
+    assert answers[0].call_id != answers[1].call_id
+    assert len(tokens) == GREEDY.max_tokens and client.alive  # it serves on
+
+
 def test_a_start_failure_raises_the_engines_own_error():
     config = EngineConfig.from_dict({**CONFIG, "scheduler": {"max_model_len": 100000}})
     with pytest.raises(EngineStartError, match="max_position_embeddings"):

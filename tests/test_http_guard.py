@@ -32,6 +32,10 @@ def _app() -> FastAPI:
     async def health():
         return {"status": "ok"}
 
+    @app.post("/start_profile")
+    async def start_profile():
+        return {"profiling": True}
+
     @app.get("/boom")
     async def boom():
         raise RuntimeError("worker 10.0.0.7 pid=4242 died")
@@ -113,6 +117,8 @@ def test_a_body_must_be_json_and_not_too_large():
     status, _, body = call(app, "POST", "/v1/completions", {"content-type": "text/plain"})
     assert status == 415 and "application/json" in _error(body)["message"]
     assert call(app, "POST", "/v1/completions", {"content-type": None})[0] == 415
+    # The profiler's endpoints take no body, so no Content-Type (as `curl -X POST` sends).
+    assert call(app, "POST", "/start_profile", {"content-type": None})[0] == 200
     ok = {"content-type": "application/json; charset=utf-8"}
     assert call(app, "POST", "/v1/completions", ok, (b"{}",))[0] == 200
     declared = {"content-length": "4096"}

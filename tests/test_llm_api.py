@@ -265,3 +265,26 @@ def test_unknown_environment_variable_is_an_error():
 
     with pytest.raises(KeyError, match="SPLITSERVE_DEVCE"):
         env("SPLITSERVE_DEVCE")
+
+
+def test_a_profile_window_writes_a_chrome_trace_of_the_engines_steps(tmp_path):
+    from splitserve.workers.engine.torch_profiler import ProfilerOff, read_trace, step_names
+
+    with pytest.raises(ProfilerOff, match="--torch-profiler-dir"):
+        LLM("qwen3-tiny", max_model_len=64).start_profile()
+    llm = LLM("qwen3-tiny", max_model_len=64, torch_profiler_dir=str(tmp_path / "traces"))
+    with pytest.raises(InvalidRequestError, match="no profile running"):
+        llm.stop_profile()
+    llm.start_profile()
+    with pytest.raises(InvalidRequestError, match="already running"):
+        llm.start_profile()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([[1, 2, 3], [4, 5, 6]], params, use_tqdm=False)
+    path = llm.stop_profile()
+    assert path.startswith(str(tmp_path / "traces")) and path.endswith(".trace.json.gz")
+    steps = step_names(read_trace(path))
+    # One prompt step of both requests, then a decode step a token after the first.
+    assert steps == ["engine_step[prefill b2]"] + ["engine_step[decode b2]"] * 3
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    llm.start_profile()  # a second window, its own file
+    assert llm.stop_profile() != path

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from splitserve.workers.engine.torch_profiler import read_trace, step_names
 from tests import checkpoints
 from tests.serve_harness import (
     TEST_RAY_ENV,
@@ -40,8 +41,14 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("traces")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory, profile_dir):
     config = one_prefill_one_decode_config(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
+    config["engine"]["torch_profiler_dir"] = str(profile_dir)
     with serving(config, tmp_path_factory.mktemp("serve")) as server:
         yield server
 
@@ -230,6 +237,26 @@ def check_disconnect_frees_kv(server: Server, prefix: str) -> None:
         assert time.monotonic() < deadline, requests
         time.sleep(0.1)
     server.wait_all_blocks_free()  # after the cancel, on both workers
+
+
+def test_profile_endpoints_trace_every_engine_and_refuse_out_of_turn(server, profile_dir):
+    status, raw = server.request("POST", "/stop_profile", b"")
+    assert status == 409 and "no profile running" in json.loads(raw)["error"]["message"]
+    status, raw = server.request("POST", "/start_profile", b"")
+    assert (status, json.loads(raw)["profiling"]) == (200, True), raw
+    status, raw = server.request("POST", "/start_profile", b"")
+    assert status == 409 and "already running" in json.loads(raw)["error"]["message"]
+    status, body = server.post("/v1/completions", _completion("Profiled. " + LONG_PROMPT))
+    assert status == 200 and body["usage"]["completion_tokens"] == 16
+    status, raw = server.request("POST", "/stop_profile", b"")
+    assert status == 200, raw
+    engines = {e["pool"]: e for e in json.loads(raw)["engines"]}
+    assert set(engines) == {"prefill", "decode"}
+    for pool, engine in engines.items():
+        assert engine["error"] is None and engine["trace"].startswith(str(profile_dir))
+        steps = set(step_names(read_trace(engine["trace"])))
+        # The prompt went disaggregated: its prefill on one engine, its decode on the other.
+        assert steps == {f"engine_step[{pool} b1]"}, (pool, steps)
 
 
 def _replica_pids(server: Server, process: str = "worker") -> dict[str, int]:

@@ -10,10 +10,11 @@ FD``) and keeps one duplex socket of msgpack frames (``messages.py``) to it, for
 
 Requests do not pass through the replica: fronts (ingress replicas) connect to the
 engine's ``FrontListener`` and send ``GenerateCall`` / ``LateTicket`` / ``Abort``
-there; each engine step sends every front one ``StepEvents`` with its requests'
-events, and every front gets ``WorkerStats`` too. A front may abort (or give a
-ticket to) only its own requests; when its connection closes, its requests are
-aborted. Beyond ``max_requests`` open requests a call is answered ``Overloaded``.
+(and ``ProfileCall``, answered ``ProfileDone``) there; each engine step sends every
+front one ``StepEvents`` with its requests' events, and every front gets
+``WorkerStats`` too. A front may abort (or give a ticket to) only its own requests;
+when its connection closes, its requests are aborted. Beyond ``max_requests`` open
+requests a call is answered ``Overloaded``.
 
 Draining (the replica is leaving): after ``Drain`` the stats say ``draining``, so
 fronts stop choosing this engine, and a call that still comes is answered
@@ -56,6 +57,8 @@ from splitserve.workers.engine.messages import (
     GenerateCall,
     LateTicket,
     Overloaded,
+    ProfileCall,
+    ProfileDone,
     Rejected,
     Routed,
     StepEvents,
@@ -303,6 +306,8 @@ class EngineCore:
                 if self._owners.get(command.request_id) is front:
                     outputs = self.engine.give_ticket(command.request_id, command.kv_ticket)
                     self._send_events([_event_of(o) for o in outputs])
+            elif isinstance(command, ProfileCall):
+                front.send(self._profile(command))
             elif isinstance(command, FrontOpened):
                 self._fronts.add(front)
                 front.send(self.stats())
@@ -310,6 +315,16 @@ class EngineCore:
                 self._fronts.discard(front)
                 for rid in [r for r, f in self._owners.items() if f is front]:
                     self._abort(rid)
+
+    def _profile(self, call: ProfileCall) -> ProfileDone:
+        """Open or close the profiler window here, in the loop's own thread."""
+        try:
+            if call.start:
+                self.engine.start_profile()
+                return ProfileDone(call.call_id)
+            return ProfileDone(call.call_id, trace=self.engine.stop_profile())
+        except Exception as e:  # off, already open, not open, or the trace not written
+            return ProfileDone(call.call_id, error=str(e) or type(e).__name__)
 
     def _abort(self, request_id: str) -> None:
         self._owners.pop(request_id, None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 import time
@@ -34,6 +35,8 @@ from splitserve.workers.engine.messages import (
     GenerateCall,
     Hello,
     LateTicket,
+    ProfileCall,
+    ProfileDone,
     StepEvents,
     WorkerStats,
     is_last,
@@ -115,6 +118,8 @@ class EngineConnection:
         self._reader = reader
         self._writer = writer
         self._streams: dict[str, _Stream] = {}
+        self._profile_calls: dict[int, asyncio.Future] = {}  # call id -> its ProfileDone
+        self._call_ids = itertools.count(1)
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @classmethod
@@ -174,6 +179,18 @@ class EngineConnection:
             if self.on_update is not None:
                 self.on_update()
 
+    async def profile(self, start: bool) -> ProfileDone:
+        """Open (``start``) or close the engine's torch.profiler window; its answer."""
+        if not self.alive:
+            raise ConnectionError(f"{self.name}: {self.error}")
+        call = ProfileCall(next(self._call_ids), start)
+        done = self._profile_calls[call.call_id] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(call)
+            return await done
+        finally:
+            self._profile_calls.pop(call.call_id, None)
+
     def abort(self, request_id: str) -> None:
         if self.alive:
             self._send(Abort(request_id))
@@ -221,6 +238,10 @@ class EngineConnection:
                 message = messages.decode(await messages.read_frame(self._reader))
                 if isinstance(message, StepEvents):
                     self._dispatch(message.events)
+                elif isinstance(message, ProfileDone):
+                    done = self._profile_calls.get(message.call_id)
+                    if done is not None and not done.done():
+                        done.set_result(message)
                 elif isinstance(message, WorkerStats):
                     self._on_stats(message)
                     self.sent_since_stats = self.sent_tokens_since_stats = 0
@@ -254,6 +275,9 @@ class EngineConnection:
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
             stream.put(Failed(rid, message), here=True)
+        for done in self._profile_calls.values():
+            if not done.done():
+                done.set_exception(ConnectionError(f"{self.name}: {message}"))
 
 
 def same_first_token(given: Delta, delta: Delta) -> bool:

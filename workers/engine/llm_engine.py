@@ -39,6 +39,8 @@ from splitserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
 from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from splitserve.workers.attention.registry import make_attention_backend
 from splitserve.workers.engine import admission
+from splitserve.workers.engine.step_times import step_kind
+from splitserve.workers.engine.torch_profiler import TorchProfiler
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.kv.handoff import (
     HandoffEvent,
@@ -200,6 +202,7 @@ class LLMEngine:
             stream_interval=config.scheduler.stream_interval,
         )
         self.last_step = StepStats()
+        self.profiler = TorchProfiler(config.torch_profiler_dir, self.role, self.device)
         self._wait_seconds = 0.0  # the step in progress's ``StepStats.wait_seconds``
         self.num_preemptions = 0
         self.num_late_tickets = 0  # tickets given after their prompt (give_ticket)
@@ -445,7 +448,16 @@ class LLMEngine:
     def kv_transport(self) -> KVTransport | None:
         return self.handoff.transport if self.handoff is not None else None
 
+    def start_profile(self) -> None:
+        """Open a ``torch.profiler`` window (``torch_profiler_dir``; ``torch_profiler.py``)."""
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """Close the window; returns the path of its Chrome trace."""
+        return self.profiler.stop()
+
     def close(self) -> None:
+        self.profiler.close()
         if self.handoff is not None:
             self.handoff.close()
         if self.ep_front is not None:
@@ -524,7 +536,11 @@ class LLMEngine:
             self.runner.idle_step()  # a dummy step where another rank has work
         prompting = sum(r.num_computed_tokens < r.num_prompt_tokens for r in batch.requests)
         context = batch.total_num_tokens + sum(r.num_computed_tokens for r in batch.requests)
-        launched = self._launch(batch) if not batch.is_empty else None
+        launched = None
+        if not batch.is_empty:
+            kind = step_kind(len(batch.requests), prompting)
+            with self.profiler.step_range(kind, len(batch.requests)):
+                launched = self._launch(batch)
         self._drop_unread_drafts(batch)
         if self._in_flight is not None:
             outputs += self._read_back(self._in_flight)

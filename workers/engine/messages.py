@@ -10,6 +10,8 @@ Calls, into a worker's engine process (from an ingress over its own connection):
     ``LateTicket``    the decode worker's ticket for a prompt sent with ``ticket_follows``
     ``Abort``         the caller left or failed: free the request's KV
     ``NcclJoinCall``  (through Ray) a prefill worker's NCCL rendezvous with a decode replica
+    ``ProfileCall``   open or close the engine's torch.profiler window; ``ProfileDone``
+                      answers it
 Events, out of a worker, each for one request:
     ``Routed``        a decode worker's route: ``disaggregated`` or ``local_prefix_hit``
     ``TicketIssued``  blocks reserved: a prefill worker may now send the KV there
@@ -93,6 +95,26 @@ class NcclJoinCall:
     pair_key: str
     unique_id: bytes
     rank: int = 0  # the expert-parallel rank whose transport joins (0 without EP)
+
+
+@dataclass(frozen=True)
+class ProfileCall:
+    """Front -> engine: open (``start``) or close the engine's ``torch.profiler`` window
+    (``workers/engine/torch_profiler.py``); answered with a ``ProfileDone`` of the same
+    ``call_id``."""
+
+    call_id: int
+    start: bool
+
+
+@dataclass(frozen=True)
+class ProfileDone:
+    """Engine -> front: a ``ProfileCall`` done (``trace``: the trace written, at a stop)
+    or refused (``error``: why)."""
+
+    call_id: int
+    trace: str | None = None
+    error: str | None = None
 
 
 # ---- events ----------------------------------------------------------------
@@ -283,6 +305,8 @@ _TYPES: list[type] = [
     TokenLogprobs,
     FirstTokenTimes,
     LateTicket,
+    ProfileCall,
+    ProfileDone,
 ]
 _TAG = {t: i for i, t in enumerate(_TYPES)}
 

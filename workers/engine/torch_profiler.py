@@ -1,0 +1,100 @@
+"""An engine's ``torch.profiler`` window, started and stopped on request.
+
+With ``torch_profiler_dir`` set in the engine's config, ``start`` begins recording
+the host's operators and, on a GPU, the device's kernels (those replayed from CUDA
+graphs included), and ``stop`` writes the window as a Chrome trace,
+``<dir>/<role>-<pid>-<n>.trace.json.gz`` (open it in Perfetto or
+``chrome://tracing``; ``benchmarks/trace_steps.py`` reads the engine's steps out of
+it). The server's ``POST /start_profile`` and ``POST /stop_profile`` reach every
+engine this way, as vLLM's and SGLang's do; ``LLM.start_profile`` the offline one.
+
+Each engine step is one range in the trace, ``engine_step[<kind> b<requests>]``
+(``step_range``), so a step's kernels and the host's work around them can be told
+apart by the batch they served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import itertools
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from splitserve.errors import InvalidRequestError
+
+STEP_RANGE = "engine_step"
+
+
+class ProfilerOff(InvalidRequestError):
+    """Profiling was asked of an engine without ``torch_profiler_dir``."""
+
+
+class TorchProfiler:
+    def __init__(self, directory: str | None, role: str, device: torch.device):
+        self.directory = directory
+        self.role = role
+        self.device = device
+        self._profile: torch.profiler.profile | None = None
+        self._windows = itertools.count(1)
+
+    @property
+    def running(self) -> bool:
+        return self._profile is not None
+
+    def start(self) -> None:
+        self._check_on()
+        if self._profile is not None:
+            raise InvalidRequestError(f"the {self.role} engine's profile is already running")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profile = torch.profiler.profile(activities=activities)
+        self._profile.__enter__()
+
+    def stop(self) -> str:
+        """End the window and write its trace; returns the trace's path."""
+        self._check_on()
+        profile, self._profile = self._profile, None
+        if profile is None:
+            raise InvalidRequestError(f"the {self.role} engine has no profile running")
+        profile.__exit__(None, None, None)
+        Path(self.directory).mkdir(parents=True, exist_ok=True)
+        name = f"{self.role}-{os.getpid()}-{next(self._windows)}.trace.json.gz"
+        path = str(Path(self.directory) / name)
+        profile.export_chrome_trace(path)
+        return path
+
+    def close(self) -> None:
+        """Drop a window still open (the engine is closing): nothing is written."""
+        if self._profile is not None:
+            with contextlib.suppress(Exception):
+                self._profile.__exit__(None, None, None)
+            self._profile = None
+
+    def step_range(self, kind: str, num_requests: int):
+        """The range one engine step's host work runs in, while a window is open."""
+        if self._profile is None:
+            return contextlib.nullcontext()
+        return torch.profiler.record_function(f"{STEP_RANGE}[{kind} b{num_requests}]")
+
+    def _check_on(self) -> None:
+        if self.directory is None:
+            raise ProfilerOff(
+                f"profiling is off on the {self.role} engine: set the engine's "
+                "torch_profiler_dir (`splitserve serve --torch-profiler-dir DIR`)"
+            )
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """The events of a trace ``stop`` wrote."""
+    with gzip.open(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def step_names(events: list[dict]) -> list[str]:
+    """The engine steps' range names, in the trace's order."""
+    return [e["name"] for e in events if e.get("name", "").startswith(STEP_RANGE + "[")]
