@@ -64,7 +64,8 @@ def steps_of(events: list[dict]) -> list[Step]:
     """The trace's engine steps in order, each with the device work it launched."""
     steps, ranges = [], []
     for e in events:
-        match = STEP_NAME.match(e.get("name", "")) if e.get("ph") == "X" else None
+        host_range = e.get("ph") == "X" and e.get("cat") == "user_annotation"
+        match = STEP_NAME.match(e.get("name", "")) if host_range else None
         if match:
             steps.append(Step(match[1], int(match[2]), e["ts"], e["dur"]))
             ranges.append((e["ts"], e["ts"] + e["dur"], e["tid"]))

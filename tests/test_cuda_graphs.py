@@ -255,6 +255,24 @@ def test_host_rows_replay_as_the_device_batch_does(tmp_path):
     assert fb.input_ids.tolist() == [7, 8, 9]
 
 
+def test_no_staging_kernel_compiles_while_serving_across_the_attention_switch(tmp_path):
+    """Decode graphs on both sides of ``kernels.split_kv_max_batch`` (the Triton split-KV
+    at 1 and 2 requests, FlashInfer at 4 and 8): the capture compiled every variant of
+    the kernel that stages a step's rows, so steps that cross the switch compile none (a
+    served decode worker met one at its 65th request: 390 ms in its engine loop)."""
+    from splitserve.kernels.triton.decode_inputs import _stage_kernel
+
+    path = checkpoints.write_qwen3(tmp_path, head_dim=128)
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=128, kernels={"split_kv_max_batch": 2})
+    compiled = set(_stage_kernel.device_caches[torch.cuda.current_device()][0])
+    # Six requests decode at the size of 8 (FlashInfer), four stop early, two go on at 2.
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 4)]
+    params = [params[0]] * 2 + [params[1]] * 4
+    outputs = llm.generate([[1 + i, 2, 3] for i in range(6)], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [12, 12, 4, 4, 4, 4]
+    assert set(_stage_kernel.device_caches[torch.cuda.current_device()][0]) == compiled
+
+
 def test_weight_update_drops_graphs(tmp_path):
     first = checkpoints.write_qwen3(tmp_path / "a", head_dim=128, seed=1)
     second = checkpoints.write_qwen3(tmp_path / "b", head_dim=128, seed=7)

@@ -23,12 +23,14 @@ def _x(name: str, cat: str, ts: float, dur: float, tid: int = 1, **args) -> dict
 # Two decode steps of 70 and 80 requests on the engine's thread (1): each replays a graph
 # (correlation 1, 3) and copies its tokens back (2, 4). A KV receive's NCCL kernel runs
 # on another stream from 1,150 to 1,250 us; a runtime call of another thread (9) and a
-# kernel launched outside any step (5) belong to no step.
+# kernel launched outside any step (5) belong to no step. Kineto repeats a range that
+# launched device work on the device's row (``gpu_user_annotation``): not a step.
 TRACE = [
     _x("engine_step[decode b70]", "user_annotation", 1000, 100),
     _x("cudaGraphLaunch", "cuda_runtime", 1010, 20, correlation=1),
     _x("cudaMemcpyAsync", "cuda_runtime", 1050, 5, correlation=2),
     _x("engine_step[decode b80]", "user_annotation", 1200, 50),
+    _x("engine_step[decode b80]", "gpu_user_annotation", 1300, 100, tid=7),  # its device span
     _x("cudaGraphLaunch", "cuda_runtime", 1210, 20, correlation=3),
     _x("cudaMemcpyAsync", "cuda_runtime", 1240, 5, correlation=4),
     _x("cudaLaunchKernel", "cuda_runtime", 1215, 5, tid=9, correlation=9),

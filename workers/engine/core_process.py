@@ -317,7 +317,10 @@ class EngineCore:
                     self._abort(rid)
 
     def _profile(self, call: ProfileCall) -> ProfileDone:
-        """Open or close the profiler window here, in the loop's own thread."""
+        """Open or close the profiler window here, in the loop's own thread (the thread
+        that opened it must close it). Writing a trace takes seconds: the heartbeats say
+        the loop is in a long step meanwhile, so the replica's watchdog waits."""
+        self._step_started = time.monotonic()
         try:
             if call.start:
                 self.engine.start_profile()
@@ -325,6 +328,8 @@ class EngineCore:
             return ProfileDone(call.call_id, trace=self.engine.stop_profile())
         except Exception as e:  # off, already open, not open, or the trace not written
             return ProfileDone(call.call_id, error=str(e) or type(e).__name__)
+        finally:
+            self._step_started = None
 
     def _abort(self, request_id: str) -> None:
         self._owners.pop(request_id, None)

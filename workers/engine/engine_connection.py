@@ -150,6 +150,8 @@ class EngineConnection:
     def stalled(self, timeout_s: float) -> str | None:
         """Why the engine looks hung (None: it does not): no stats for ``timeout_s``, or
         no step in ``timeout_s`` while it holds requests."""
+        if self._profile_calls:  # it writes the trace asked for, in its loop: seconds
+            return None
         now = time.monotonic()
         if now - self.stats_at > timeout_s:
             return f"sent no load report for {now - self.stats_at:.1f} s"
@@ -226,6 +228,7 @@ class EngineConnection:
         self._task.cancel()
         self._writer.close()
         self._fail_all(self.error)
+        self._end_profile_calls()
 
     # ---- the engine's side -------------------------------------------------------------
 
@@ -239,6 +242,7 @@ class EngineConnection:
                 if isinstance(message, StepEvents):
                     self._dispatch(message.events)
                 elif isinstance(message, ProfileDone):
+                    self.stats_at = self.progress_at = time.monotonic()  # it answers: alive
                     done = self._profile_calls.get(message.call_id)
                     if done is not None and not done.done():
                         done.set_result(message)
@@ -253,6 +257,7 @@ class EngineConnection:
             self.error = f"the connection to {self.name} ended ({type(e).__name__})"
             logger.warning("%s", self.error)
         self._fail_all(self.error)
+        self._end_profile_calls()
         with contextlib.suppress(Exception):
             self._writer.close()
 
@@ -272,12 +277,14 @@ class EngineConnection:
             if stream is not None:  # else the caller left; its abort is on the way
                 stream.put_from_engine(event)
 
+    def _end_profile_calls(self) -> None:
+        for done in self._profile_calls.values():
+            if not done.done():
+                done.set_exception(ConnectionError(f"{self.name}: {self.error}"))
+
     def _fail_all(self, message: str) -> None:
         for rid, stream in list(self._streams.items()):
             stream.put(Failed(rid, message), here=True)
-        for done in self._profile_calls.values():
-            if not done.done():
-                done.set_exception(ConnectionError(f"{self.name}: {message}"))
 
 
 def same_first_token(given: Delta, delta: Delta) -> bool:

@@ -19,12 +19,16 @@ import contextlib
 import gzip
 import itertools
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from splitserve.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 STEP_RANGE = "engine_step"
 
@@ -61,11 +65,17 @@ class TorchProfiler:
         profile, self._profile = self._profile, None
         if profile is None:
             raise InvalidRequestError(f"the {self.role} engine has no profile running")
+        started = time.perf_counter()
         profile.__exit__(None, None, None)
+        stopped = time.perf_counter()
         Path(self.directory).mkdir(parents=True, exist_ok=True)
         name = f"{self.role}-{os.getpid()}-{next(self._windows)}.trace.json.gz"
         path = str(Path(self.directory) / name)
         profile.export_chrome_trace(path)
+        logger.info(
+            "profile: stopped in %.1f s, trace written in %.1f s: %s",
+            stopped - started, time.perf_counter() - stopped, path,
+        )  # fmt: skip
         return path
 
     def close(self) -> None:

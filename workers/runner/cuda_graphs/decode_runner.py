@@ -84,6 +84,7 @@ class DecodeGraphRunner:
         self._graphs: dict[int, DecodeGraph] = {}
         self._buffers: dict[str, torch.Tensor] = {}
         self._staging = PinnedRing(torch.int32)  # replay_steps' packed rows
+        self._staged_variants: set[bool] = set()  # index written or not: compiled
         # Staged rows are int32: every slot of the cache must fit.
         self._stages_slots = kv_cache.num_blocks * kv_cache.block_size < 2**31
 
@@ -137,6 +138,30 @@ class DecodeGraphRunner:
             hidden = self.model(fb.input_ids, fb.positions, fb)
         reads_index = self.attn_backend.kernel(fb).reads_batch_index
         self._graphs[size] = DecodeGraph(graph, hidden, fb, reads_index)
+        self._compile_staging(size, reads_index)
+
+    def _compile_staging(self, size: int, index: bool) -> None:
+        """Launch the staging kernel in each variant this size's replays meet (the tokens
+        of a step in flight or none; the attention index written, or left to the
+        backend's ``prepare_replay``), so none compiles while serving. Where the decode
+        attention changes kernel with the batch (the Triton split-KV up to
+        ``kernels.split_kv_max_batch``, FlashInfer above), a served decode worker met the
+        second variant only at its 65th request: a 390 ms compile in its engine loop.
+        It writes padding rows, which every replay writes anyway."""
+        if not self._stages_slots or index in self._staged_variants:
+            return
+        self._staged_variants.add(index)
+        b = self._buffers
+        row = torch.zeros(1, STAGED_COLUMNS + 1, dtype=torch.int32, device=self.device)
+        row[0, [SOURCE, SLOT, SEQ_LEN, STAGED_COLUMNS]] = torch.tensor(
+            [-1, -1, PAD_SEQ_LEN, NULL_BLOCK], dtype=torch.int32, device=self.device
+        )  # a padding row: token 0 at position 0, no slot, the null page
+        for previous in (None, torch.zeros(1, dtype=torch.long, device=self.device)):
+            ops.stage_decode_inputs(
+                row, previous, b["input_ids"][:size], b["positions"][:size],
+                b["slot_mapping"][:size], b["seq_lens"][:size] if index else None,
+                b["block_tables"][:size] if index else None, pad_seq_len=PAD_SEQ_LEN,
+            )  # fmt: skip
 
     def can_run_steps(self, steps: list[StepRequest]) -> bool:
         """Whether ``replay_steps`` runs these requests: each decodes one token and
@@ -254,6 +279,7 @@ class DecodeGraphRunner:
     def clear(self) -> None:
         self._graphs = {}
         self._buffers = {}
+        self._staged_variants = set()
 
 
 def _padded(static: ForwardBatch, seq_lens: list[int], block_ids: list[list[int]]) -> ForwardBatch:
