@@ -149,8 +149,9 @@ class EngineConnection:
 
     def stalled(self, timeout_s: float) -> str | None:
         """Why the engine looks hung (None: it does not): no stats for ``timeout_s``, or
-        no step in ``timeout_s`` while it holds requests."""
-        if self._profile_calls:  # it writes the trace asked for, in its loop: seconds
+        no step in ``timeout_s`` while it holds requests; not while it answers a profile
+        call (writing a trace takes its loop seconds; the caller's timeout bounds it)."""
+        if self._profile_calls:
             return None
         now = time.monotonic()
         if now - self.stats_at > timeout_s:
