@@ -298,12 +298,18 @@ def test_a_wrong_secret_or_an_oversized_frame_closes_the_connection_only(client)
 def test_a_profile_call_is_answered_and_profiling_off_says_how_to_turn_it_on(client):
     async def run():
         front = await _front(client)
-        answers = [await front.profile(start=True), await front.profile(start=False)]
+        answers = [await front.profile(start=True)]
+        asked = asyncio.ensure_future(front.profile(start=False))
+        await asyncio.sleep(0)  # the call is sent; its answer can come in no sooner
+        open_call_stalled = front.stalled(0.0)  # 0 s: any engine not answering one is
+        answers.append(await asked)
         tokens, _ = await _collect(front, GenerateCall("after-profile", [3, 4, 5], GREEDY))
+        after = front.stalled(0.0)
         front.close()
-        return answers, tokens
+        return answers, tokens, open_call_stalled, after
 
-    answers, tokens = asyncio.run(run())
+    answers, tokens, open_call_stalled, after = asyncio.run(run())
+    assert open_call_stalled is None and after is not None
     for answer in answers:  # this engine has no torch_profiler_dir
         assert answer.trace is None and "--torch-profiler-dir" in answer.error
     assert answers[0].call_id != answers[1].call_id
