@@ -4,7 +4,7 @@
         [--input-len 64 --output-len 64 | --prompts-file F.jsonl] [--num-prompts 128]
         [--request-rate 1 4 inf] [--max-concurrency 1 16 64]
         [--slo-ttft-ms 200 --slo-tpot-ms 20] [--engine-baseline] [--low-load-ttft 20 [--http-floor]]
-        [--json PATH] [--plot PATH.png]
+        [--torch-profiler-dir DIR] [--json PATH] [--plot PATH.png]
     python benchmarks/serve_bench.py --url http://host:8000 [--config ITS_CONFIG] ...
 
 Each ``--config`` in turn: its ``splitserve serve`` is started on a free port (or
@@ -24,6 +24,11 @@ it) keeps what it measured; the last write has no mark.
 
 ``--repeat N`` runs each point N times on new prompts; a point's figures are
 its median run's (by output tokens/s), every run is in the JSON.
+
+``--torch-profiler-dir DIR`` runs each point's first run under every engine's
+torch.profiler (``POST /start_profile`` before it, ``/stop_profile`` after; a started
+server gets ``--torch-profiler-dir DIR``): the traces' paths are in that run's JSON,
+and ``trace_steps.py`` reads them. That run's figures carry the profiler's cost.
 
 ``--engine-baseline`` runs ``LLM`` built from the config's ``engine:`` section on
 the same prompts, before the server starts (``serve_engine.py``): served over
