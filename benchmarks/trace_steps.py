@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         events = read_trace(path)
         steps = steps_of(events)
         rows = table_rows(steps, nccl_intervals(events))
-        print(f"\n{path.name}: {len(steps)} steps")
+        print(f"\n{path}: {len(steps)} steps")
         keys = ["kind", "batch", "steps", "host_ms", "device_ms", "busy_ms", "gap_ms"]
         print_table(columns, [
             [r[k] for k in keys] + [None if r["nccl_share"] is None else 100 * r["nccl_share"]]
@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         ])  # fmt: skip
         report["traces"][str(path)] = {"buckets": rows}
         if args.kernels_at is not None:
-            kernel_columns[path.name] = kernels_at(steps, args.kernels_at)
-            report["traces"][str(path)]["kernels_at"] = kernel_columns[path.name]
+            name = f"{path.parent.name}/{path.name}"  # serve_bench: a folder per config
+            kernel_columns[name] = kernels_at(steps, args.kernels_at)
+            report["traces"][str(path)]["kernels_at"] = kernel_columns[name]
     if kernel_columns:
         print_kernels(kernel_columns, args.kernels_at, args.top)
     if args.json:

@@ -20,6 +20,7 @@ import pytest
 
 from benchmarks import serve_bench, serve_engine, serve_process, serve_report, slo_grid
 from benchmarks.serve_load import RequestResult, random_prompts, read_prompts_file, summarize
+from splitserve.workers.engine.torch_profiler import read_trace, step_names
 
 
 def test_random_prompts_are_seeded_and_in_range():
@@ -283,6 +284,7 @@ def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
             "60000",
         ]
         + ["--json", str(out), "--server-log", str(tmp_path / "server.log")]
+        + ["--torch-profiler-dir", str(tmp_path / "traces")]
     )
     assert "splitserve: serving" in (tmp_path / "server.log").read_text()
     report = json.loads(out.read_text())
@@ -305,6 +307,12 @@ def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
         assert s["output_tokens"] == num * max_tokens
         (run,) = point["runs"]
         assert run["summary"] == s
+        # profiled: both engines' traces, in the config's own folder, with their steps
+        traces = {t["pool"]: t["trace"] for t in run["traces"]}
+        assert set(traces) == {"prefill", "decode"}
+        for pool, trace in traces.items():
+            assert trace.startswith(str(tmp_path / "traces" / "default"))
+            assert f"engine_step[{pool}" in " ".join(step_names(read_trace(trace)))
         assert run["routes"] == {'{outcome="ok",route="disaggregated"}': num}
         for r in run["requests"]:
             assert r["ok"] and r["output_tokens"] == max_tokens
