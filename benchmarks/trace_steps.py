@@ -19,7 +19,9 @@ kind and batch bucket (1, 2, 4, 8, then every 16) the table gives, a step's mean
   running (a KV receive or send, which takes SMs from the step).
 
 ``--kernels-at BATCH`` lists that bucket's kernels by their mean time a step, one
-column a trace (say, the same load under two configs).
+column a trace (say, the same load under two configs), and its host operators (the
+outermost torch operators inside the step's range: on a CPU engine, the forward's
+own pieces).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Step:
     start_us: float
     host_us: float
     kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, ts, dur
+    host_ops: list[tuple[str, float]] = field(default_factory=list)  # outermost: name, dur
 
     @property
     def device_start(self) -> float:
@@ -83,7 +86,27 @@ def steps_of(events: list[dict]) -> list[Step]:
             step = step_of_call.get(e.get("args", {}).get("correlation"))
             if step is not None:
                 step.kernels.append((e["name"], e["ts"], e["dur"]))
+    _add_host_ops(steps, ranges, events)
     return steps
+
+
+def _add_host_ops(steps: list[Step], ranges: list[tuple], events: list[dict]) -> None:
+    """Each step's outermost torch operators on its own thread (not those inside
+    another)."""
+    starts = [start for start, _, _ in ranges]
+    ops = sorted(
+        (e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"),
+        key=lambda e: (e["ts"], -e["dur"]),
+    )
+    outer_end: dict[int, float] = {}  # step index -> where its last outermost op ends
+    for e in ops:
+        i = _bisect_right(starts, e["ts"]) - 1
+        if i < 0 or e["ts"] > ranges[i][1] or e["tid"] != ranges[i][2]:
+            continue
+        if e["ts"] < outer_end.get(i, -1.0):
+            continue  # inside the last outermost one
+        outer_end[i] = e["ts"] + e["dur"]
+        steps[i].host_ops.append((e["name"], e["dur"]))
 
 
 def nccl_intervals(events: list[dict]) -> list[tuple[float, float]]:
@@ -143,10 +166,19 @@ def table_rows(steps: list[Step], nccl: list[tuple[float, float]]) -> list[dict]
 
 def kernels_at(steps: list[Step], edge: int, kind: str = "decode") -> dict[str, float]:
     """Mean us a step of ``kind`` in bucket ``edge`` spends in each kernel name."""
+    return _mean_at(steps, edge, kind, lambda s: [(n, dur) for n, _, dur in s.kernels])
+
+
+def host_ops_at(steps: list[Step], edge: int, kind: str = "decode") -> dict[str, float]:
+    """Mean us a step of ``kind`` in bucket ``edge`` spends in each outermost operator."""
+    return _mean_at(steps, edge, kind, lambda s: s.host_ops)
+
+
+def _mean_at(steps: list[Step], edge: int, kind: str, items) -> dict[str, float]:
     chosen = [s for s in steps if s.kind == kind and batch_bucket(s.batch) == edge]
     totals: dict[str, float] = defaultdict(float)
     for step in chosen:
-        for name, _, dur in step.kernels:
+        for name, dur in items(step):
             totals[name] += dur
     return {name: t / len(chosen) for name, t in totals.items()} if chosen else {}
 
@@ -169,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=15, help="kernels listed (--kernels-at)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    report, kernel_columns = {"traces": {}}, {}
+    report, kernel_columns, op_columns = {"traces": {}}, {}, {}
     columns = ["kind", "batch", "steps", "host ms", "device ms", "busy ms", "gap ms", "NCCL %"]
     for path in args.traces:
         events = read_trace(path)
@@ -185,24 +217,30 @@ def main(argv: list[str] | None = None) -> None:
         if args.kernels_at is not None:
             name = f"{path.parent.name}/{path.name}"  # serve_bench: a folder per config
             kernel_columns[name] = kernels_at(steps, args.kernels_at)
+            op_columns[name] = host_ops_at(steps, args.kernels_at)
             report["traces"][str(path)]["kernels_at"] = kernel_columns[name]
-    if kernel_columns:
-        print_kernels(kernel_columns, args.kernels_at, args.top)
+            report["traces"][str(path)]["host_ops_at"] = op_columns[name]
+    if any(kernel_columns.values()):  # a GPU engine's
+        print_means(kernel_columns, f"batch <= {args.kernels_at}: us a step in each kernel",
+                    "kernel", args.top)  # fmt: skip
+    if args.kernels_at is not None:
+        print_means(op_columns, f"batch <= {args.kernels_at}: us a step in each host operator",
+                    "operator", args.top)  # fmt: skip
     if args.json:
         write_report(args.json, report)
         print(f"\nwrote {args.json}")
 
 
-def print_kernels(columns: dict[str, dict[str, float]], edge: int, top: int) -> None:
-    """The ``top`` kernels (by their largest mean over the traces) of bucket ``edge``."""
+def print_means(columns: dict[str, dict[str, float]], title: str, what: str, top: int) -> None:
+    """The ``top`` names (by their largest mean over the traces), one column a trace."""
     names = sorted(
         {n for c in columns.values() for n in c},
         key=lambda n: -max(c.get(n, 0.0) for c in columns.values()),
     )[:top]
-    print(f"\nDecode steps at batch <= {edge}: us a step in each kernel")
+    print(f"\nDecode steps at {title}")
     rows = [[name[:70]] + [c.get(name) for c in columns.values()] for name in names]
-    rows.append(["all kernels"] + [sum(c.values()) for c in columns.values()])
-    print_table(["kernel", *columns], rows)
+    rows.append([f"all ({what}s)"] + [sum(c.values()) for c in columns.values()])
+    print_table([what, *columns], rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,14 @@ import json
 
 import pytest
 
-from benchmarks.trace_steps import kernels_at, main, nccl_intervals, steps_of, table_rows
+from benchmarks.trace_steps import (
+    host_ops_at,
+    kernels_at,
+    main,
+    nccl_intervals,
+    steps_of,
+    table_rows,
+)
 from splitserve import LLM, SamplingParams
 from splitserve.workers.engine.torch_profiler import read_trace
 
@@ -43,6 +50,12 @@ TRACE = [
     _x("ncclDevKernel_Recv", "kernel", 1150, 100, tid=8, correlation=6),
     _x("elementwise", "kernel", 1500, 10, tid=7, correlation=5),
     _x("recv_thread_kernel", "kernel", 1220, 10, tid=8, correlation=9),
+    # Host operators: an outermost one with one inside it in step 1, one in step 2, one
+    # on another thread.
+    _x("aten::linear", "cpu_op", 1005, 40),
+    _x("aten::mm", "cpu_op", 1006, 30),
+    _x("aten::linear", "cpu_op", 1201, 20),
+    _x("aten::index", "cpu_op", 1202, 10, tid=9),
 ]
 
 
@@ -64,6 +77,8 @@ def test_a_steps_device_work_gap_and_nccl_share_come_from_the_trace():
     assert kernels_at(steps, 80) == pytest.approx(
         {"gemm": 70.0, "attention": 15.0, "Memcpy DtoH": 15.0}
     )
+    assert [s.host_ops for s in steps] == [[("aten::linear", 40)], [("aten::linear", 20)]]
+    assert host_ops_at(steps, 80) == pytest.approx({"aten::linear": 30.0})
 
 
 def test_the_nccl_share_is_the_overlap_with_the_steps_device_span():
@@ -84,8 +99,11 @@ def test_a_cpu_engines_trace_gives_each_steps_host_time(tmp_path, capsys):
         ("prefill", 8, 1),
     ]
     assert all(r["host_ms"] > 0 and r["device_ms"] is None for r in rows)
+    ops = host_ops_at(steps_of(read_trace(path)), 8)  # the forward's own pieces
+    assert {"aten::linear", "aten::scaled_dot_product_attention"} <= set(ops)
     main([path, "--kernels-at", "8", "--json", str(tmp_path / "steps.json")])
-    assert "decode" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "host operator" in printed and "each kernel" not in printed  # none on CPU
     report = json.loads((tmp_path / "steps.json").read_text())
     assert report["traces"][path]["buckets"] == rows
     with gzip.open(path, "rt") as f:  # the trace is Chrome's JSON
