@@ -292,12 +292,12 @@ def settled_ttft_samples(url: str) -> dict[str, float]:
     return settled(lambda: serve_report.ttft_samples(sp.metric_values(url)), 0.5, 5.0)
 
 
-def one_run(args, url: str, point: LoadPoint, specs, seed: str) -> dict:
+def one_run(args, url: str, point: LoadPoint, specs, seed: str, profiled: bool = False) -> dict:
     """One repetition of a point: its summary, the routes its requests took, the CPU, each
-    request, and the engines' own steps over it."""
+    request, and the engines' own steps over it; ``profiled``: under every engine's
+    torch.profiler, the traces' paths in it too."""
     before = settled_counters(url)  # the warm-up's and the last run's all in
-    profiled = args.torch_profiler_dir is not None and seed.endswith("/0")
-    if profiled:  # a point's first run, under every engine's torch.profiler
+    if profiled:
         sp.post_json(f"{url}/start_profile")
     probe = sp.CpuProbe()
     results, seconds = run(url, specs, point.mode, point.value, args, seed)
@@ -323,7 +323,8 @@ def run_point(args, label: str, url: str, point: LoadPoint, baseline: dict | Non
     decode_alone = engine if engine and "decode_step_ms" in engine else None
     runs = []
     for i, specs in enumerate(point.runs):
-        runs.append(one_run(args, url, point, specs, f"{point.label}/{i}"))
+        profiled = args.torch_profiler_dir is not None and i == 0  # a point's first run
+        runs.append(one_run(args, url, point, specs, f"{point.label}/{i}", profiled))
         summary, routes, cpu = runs[-1]["summary"], runs[-1]["routes"], runs[-1]["cpu"]
         print(
             f"[{label}] {point.label} run {i + 1}/{len(point.runs)}: {summary['completed']}/"

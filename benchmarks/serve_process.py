@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from importlib import resources
@@ -52,10 +53,14 @@ def splitserve_command() -> list[str]:
 
 
 def post_json(url: str, timeout: float = 60.0):
-    """A bodyless POST's JSON answer (HTTPError on an error status)."""
+    """A bodyless POST's JSON answer; an error status raises RuntimeError with the
+    server's own message."""
     request = urllib.request.Request(url, b"", method="POST")
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"POST {url}: {e.code} {e.read().decode(errors='replace')}") from e
 
 
 def get_json(url: str, timeout: float = 10.0):

@@ -27,6 +27,7 @@ own pieces).
 from __future__ import annotations
 
 import argparse
+import bisect
 import re
 import statistics
 import sys
@@ -74,37 +75,48 @@ def steps_of(events: list[dict]) -> list[Step]:
             ranges.append((e["ts"], e["ts"] + e["dur"], e["tid"]))
     order = sorted(range(len(steps)), key=lambda i: steps[i].start_us)
     steps, ranges = [steps[i] for i in order], [ranges[i] for i in order]
-    starts = [start for start, _, _ in ranges]
+    within = _StepRanges(ranges)
     step_of_call: dict[int, Step] = {}
     for e in events:
         if e.get("cat") in RUNTIME_CATEGORIES and "correlation" in e.get("args", {}):
-            i = _bisect_right(starts, e["ts"]) - 1
-            if i >= 0 and e["ts"] <= ranges[i][1] and e["tid"] == ranges[i][2]:
+            i = within.step_of(e)
+            if i is not None:
                 step_of_call[e["args"]["correlation"]] = steps[i]
     for e in events:
         if e.get("cat") in DEVICE_CATEGORIES:
             step = step_of_call.get(e.get("args", {}).get("correlation"))
             if step is not None:
                 step.kernels.append((e["name"], e["ts"], e["dur"]))
-    _add_host_ops(steps, ranges, events)
+    _add_host_ops(steps, within, events)
     return steps
 
 
-def _add_host_ops(steps: list[Step], ranges: list[tuple], events: list[dict]) -> None:
+class _StepRanges:
+    """The steps' host ranges, sorted: which one holds an event of its thread."""
+
+    def __init__(self, ranges: list[tuple[float, float, int]]):
+        self.ranges = ranges  # (start, end, thread)
+        self.starts = [start for start, _, _ in ranges]
+
+    def step_of(self, event: dict) -> int | None:
+        i = bisect.bisect_right(self.starts, event["ts"]) - 1
+        if i < 0 or event["ts"] > self.ranges[i][1] or event["tid"] != self.ranges[i][2]:
+            return None
+        return i
+
+
+def _add_host_ops(steps: list[Step], within: _StepRanges, events: list[dict]) -> None:
     """Each step's outermost torch operators on its own thread (not those inside
     another)."""
-    starts = [start for start, _, _ in ranges]
     ops = sorted(
         (e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"),
         key=lambda e: (e["ts"], -e["dur"]),
     )
     outer_end: dict[int, float] = {}  # step index -> where its last outermost op ends
     for e in ops:
-        i = _bisect_right(starts, e["ts"]) - 1
-        if i < 0 or e["ts"] > ranges[i][1] or e["tid"] != ranges[i][2]:
-            continue
-        if e["ts"] < outer_end.get(i, -1.0):
-            continue  # inside the last outermost one
+        i = within.step_of(e)
+        if i is None or e["ts"] < outer_end.get(i, -1.0):
+            continue  # in no step, or inside the last outermost one
         outer_end[i] = e["ts"] + e["dur"]
         steps[i].host_ops.append((e["name"], e["dur"]))
 
@@ -125,9 +137,12 @@ def nccl_intervals(events: list[dict]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
-    """Time in ``[start, end]`` covered by the sorted, disjoint ``intervals``."""
-    i = max(_bisect_right([a for a, _ in intervals], start) - 1, 0)
+def overlap(
+    start: float, end: float, intervals: list[tuple[float, float]], starts: list[float]
+) -> float:
+    """Time in ``[start, end]`` covered by the sorted, disjoint ``intervals`` (``starts``:
+    theirs)."""
+    i = max(bisect.bisect_right(starts, start) - 1, 0)
     covered = 0.0
     for a, b in intervals[i:]:
         if a >= end:
@@ -140,6 +155,7 @@ def table_rows(steps: list[Step], nccl: list[tuple[float, float]]) -> list[dict]
     """Per kind and batch bucket: steps, and a step's mean host, device, busy and gap ms and
     NCCL share (device figures over the steps that launched device work)."""
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    nccl_starts = [a for a, _ in nccl]
     last_end = None
     for step in steps:
         row = {"host": step.host_us / 1e3}
@@ -147,7 +163,7 @@ def table_rows(steps: list[Step], nccl: list[tuple[float, float]]) -> list[dict]
             start, end = step.device_start, step.device_end
             row["device"] = (end - start) / 1e3
             row["busy"] = sum(dur for _, _, dur in step.kernels) / 1e3
-            row["nccl"] = overlap(start, end, nccl) / max(end - start, 1e-9)
+            row["nccl"] = overlap(start, end, nccl, nccl_starts) / max(end - start, 1e-9)
             if last_end is not None:
                 row["gap"] = max(0.0, start - last_end) / 1e3
             last_end = end
@@ -181,17 +197,6 @@ def _mean_at(steps: list[Step], edge: int, kind: str, items) -> dict[str, float]
         for name, dur in items(step):
             totals[name] += dur
     return {name: t / len(chosen) for name, t in totals.items()} if chosen else {}
-
-
-def _bisect_right(values: list[float], x: float) -> int:
-    lo, hi = 0, len(values)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if x < values[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,8 +41,10 @@ async def profile_engines(
     )
     results, refusals = [], []
     for (pool, conn), answer in zip(engines, answers):
-        error = answer.error if not isinstance(answer, BaseException) else _failure(answer)
-        results.append({"pool": pool, "worker": conn.name, "error": error} | _trace(answer))
+        failed = isinstance(answer, BaseException)
+        error = _failure(answer) if failed else answer.error
+        trace = None if failed else answer.trace
+        results.append({"pool": pool, "worker": conn.name, "error": error, "trace": trace})
         if error is not None:
             refusals.append(f"{conn.name}: {error}")
     if refusals:
@@ -50,11 +52,6 @@ async def profile_engines(
         err = OpenAIError(409, f"could not {action} profiling on " + "; ".join(refusals))
         return JSONResponse(error_body(err) | {"engines": results}, status_code=409)
     return JSONResponse({"profiling": start, "engines": results})
-
-
-def _trace(answer) -> dict:
-    trace = getattr(answer, "trace", None)
-    return {"trace": trace} if trace is not None else {}
 
 
 def _failure(e: BaseException) -> str:

@@ -9,7 +9,8 @@ In order, for every HTTP request:
    ``http.auth_health_and_metrics``).
 3. A POST body must be ``application/json`` (415; the profiler's two endpoints
    take none) and at most ``http.max_body_bytes`` (413, from ``Content-Length``
-   before reading, or while reading a chunked body). The body is read here and handed on whole.
+   before reading, or while reading a chunked body). The body is read here and
+   handed on whole.
 4. ``routes`` (the completions endpoints) go straight to their ASGI handler, not
    through the app's router, dependencies and middleware (on the 2-core CPU box
    about 0.25 ms a request, and three wrappers around every streamed chunk's

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from benchmarks import serve_process
 from splitserve.workers.engine.torch_profiler import read_trace, step_names
 from tests import checkpoints
 from tests.serve_harness import (
@@ -242,6 +243,9 @@ def check_disconnect_frees_kv(server: Server, prefix: str) -> None:
 def test_profile_endpoints_trace_every_engine_and_refuse_out_of_turn(server, profile_dir):
     status, raw = server.request("POST", "/stop_profile", b"")
     assert status == 409 and "no profile running" in json.loads(raw)["error"]["message"]
+    # the benchmark's client says what the server said
+    with pytest.raises(RuntimeError, match="409 .*no profile running"):
+        serve_process.post_json(f"http://127.0.0.1:{server.port}/stop_profile")
     status, raw = server.request("POST", "/start_profile", b"")
     assert (status, json.loads(raw)["profiling"]) == (200, True), raw
     status, raw = server.request("POST", "/start_profile", b"")

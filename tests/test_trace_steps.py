@@ -20,7 +20,7 @@ from benchmarks.trace_steps import (
     table_rows,
 )
 from splitserve import LLM, SamplingParams
-from splitserve.workers.engine.torch_profiler import read_trace
+from splitserve.workers.engine.torch_profiler import read_trace, step_names
 
 
 def _x(name: str, cat: str, ts: float, dur: float, tid: int = 1, **args) -> dict:
@@ -60,6 +60,7 @@ TRACE = [
 
 
 def test_a_steps_device_work_gap_and_nccl_share_come_from_the_trace():
+    assert step_names(TRACE) == ["engine_step[decode b70]", "engine_step[decode b80]"]
     steps = steps_of(TRACE)
     assert [(s.kind, s.batch) for s in steps] == [("decode", 70), ("decode", 80)]
     assert [len(s.kernels) for s in steps] == [3, 2]

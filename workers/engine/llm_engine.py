@@ -39,7 +39,6 @@ from splitserve.scheduler.request import PLACEHOLDER, Request, RequestStatus
 from splitserve.scheduler.scheduler import Scheduler, SchedulerOutput
 from splitserve.workers.attention.registry import make_attention_backend
 from splitserve.workers.engine import admission
-from splitserve.workers.engine.step_times import step_kind
 from splitserve.workers.engine.torch_profiler import TorchProfiler
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.kv.handoff import (
@@ -538,8 +537,7 @@ class LLMEngine:
         context = batch.total_num_tokens + sum(r.num_computed_tokens for r in batch.requests)
         launched = None
         if not batch.is_empty:
-            kind = step_kind(len(batch.requests), prompting)
-            with self.profiler.step_range(kind, len(batch.requests)):
+            with self.profiler.step_range(len(batch.requests), prompting):
                 launched = self._launch(batch)
         self._drop_unread_drafts(batch)
         if self._in_flight is not None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from splitserve.errors import InvalidRequestError
+from splitserve.workers.engine.step_times import step_kind
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,6 @@ class TorchProfiler:
         self.device = device
         self._profile: torch.profiler.profile | None = None
         self._windows = itertools.count(1)
-
-    @property
-    def running(self) -> bool:
-        return self._profile is not None
 
     def start(self) -> None:
         self._check_on()
@@ -85,10 +82,12 @@ class TorchProfiler:
                 self._profile.__exit__(None, None, None)
             self._profile = None
 
-    def step_range(self, kind: str, num_requests: int):
-        """The range one engine step's host work runs in, while a window is open."""
+    def step_range(self, num_requests: int, num_prompt_requests: int):
+        """The range one engine step's host work runs in, while a window is open (named
+        by the step's kind, ``step_times.step_kind``, and its requests)."""
         if self._profile is None:
             return contextlib.nullcontext()
+        kind = step_kind(num_requests, num_prompt_requests)
         return torch.profiler.record_function(f"{STEP_RANGE}[{kind} b{num_requests}]")
 
     def _check_on(self) -> None:
@@ -106,5 +105,10 @@ def read_trace(path: str | Path) -> list[dict]:
 
 
 def step_names(events: list[dict]) -> list[str]:
-    """The engine steps' range names, in the trace's order."""
-    return [e["name"] for e in events if e.get("name", "").startswith(STEP_RANGE + "[")]
+    """The engine steps' range names, in the trace's order (the host's ranges: on a GPU
+    Kineto repeats each on the device's row)."""
+    return [
+        e["name"]
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith(STEP_RANGE + "[")
+    ]
