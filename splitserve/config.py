@@ -185,6 +185,9 @@ class CudaGraphConfig:
         return sizes
 
 
+FP8_DECODE_KERNELS = ("split_kv", "xqa")
+
+
 @dataclass
 class KernelConfig:
     """Which GPU kernels a step runs where more than one would do (ignored on CPU).
@@ -196,6 +199,11 @@ class KernelConfig:
     # Decode steps of up to this many requests run the Triton split-KV attention
     # kernel (FlashInfer backend); 0: FlashInfer's decode kernels for every batch.
     split_kv_max_batch: int = 64
+    # Those decode steps over an FP8 KV cache: "split_kv" (the Triton kernel, tiles
+    # widened to float16, q as it is) or "xqa" (TensorRT-LLM's XQA through FlashInfer,
+    # Hopper only: 10% faster at 64 x 8k, but q and the probabilities rounded to e4m3,
+    # 8x the error; docs/perf/TUNING.md).
+    fp8_decode: str = "split_kv"
 
     def check(self) -> None:
         value = self.split_kv_max_batch
@@ -203,6 +211,11 @@ class KernelConfig:
             raise ValueError(
                 f"invalid kernels.split_kv_max_batch={value!r}: must be an integer >= 0 "
                 "(0: FlashInfer decodes every batch)"
+            )
+        if self.fp8_decode not in FP8_DECODE_KERNELS:
+            raise ValueError(
+                f"invalid kernels.fp8_decode={self.fp8_decode!r}: must be one of "
+                f"{', '.join(FP8_DECODE_KERNELS)}"
             )
 
 

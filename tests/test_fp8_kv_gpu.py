@@ -1,10 +1,12 @@
 """An FP8 KV cache on a GPU (FP8-capable, compute capability >= 8.9): FlashInfer and
 the Triton split-KV kernel read it with its scales, in eager steps and in CUDA graphs.
 
-- Each FlashInfer path (split-KV decode, FlashInfer decode, paged prefill, a mixed
-  step) over an FP8 cache matches the torch backend over the same cache.
+- Each FlashInfer path (split-KV decode, FlashInfer decode, XQA decode on Hopper,
+  paged prefill, a mixed step) over an FP8 cache matches the torch backend over the
+  same cache (XQA within 5e-2: it rounds q and the probabilities to e4m3).
 - An engine (head_dim 128: FlashInfer; CUDA graphs on) with FP8 KV follows bf16 KV's
-  next token where bf16's top-2 gap is safe, and FP8 replays equal FP8 eager.
+  next token where bf16's top-2 gap is safe, and FP8 replays equal FP8 eager, with
+  either FP8 decode kernel (``kernels.fp8_decode``).
 """
 
 from __future__ import annotations
@@ -51,11 +53,22 @@ STEPS = {  # (new tokens, cached tokens) per request
 }
 
 
-@pytest.mark.parametrize("split_kv", [64, 0], ids=["split-kv", "flashinfer-decode"])
+DECODE = {  # decode kernel: (split_kv_max_batch, fp8_decode, tolerance)
+    "split-kv": (64, "split_kv", 2e-2),
+    "flashinfer-decode": (0, "split_kv", 2e-2),
+    "xqa": (64, "xqa", 5e-2),
+}
+
+
+@pytest.mark.parametrize("decode", sorted(DECODE))
 @pytest.mark.parametrize("scales_set", [True, False], ids=["calibrated", "uncalibrated"])
 @pytest.mark.parametrize("step", sorted(STEPS))
-def test_flashinfer_backend_reads_fp8_like_torch(step, scales_set, split_kv):
+def test_flashinfer_backend_reads_fp8_like_torch(step, scales_set, decode):
     from splitserve.workers.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    split_kv, fp8_decode, tolerance = DECODE[decode]
+    if fp8_decode == "xqa" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("XQA's FP8 kernel is Hopper's")
 
     outs, caches = [], []
     for make in (
@@ -67,6 +80,7 @@ def test_flashinfer_backend_reads_fp8_like_torch(step, scales_set, split_kv):
             torch.device("cuda"),
             split_kv_max_batch=split_kv,
             kv_dtype=FP8_DTYPE,
+            fp8_decode=fp8_decode,
         ),  # fmt: skip
         TorchAttentionBackend,
     ):
@@ -86,7 +100,7 @@ def test_flashinfer_backend_reads_fp8_like_torch(step, scales_set, split_kv):
         outs.append(backend.forward(q, k, v, AttentionSpec(1, HEADS, DIM**-0.5), fb).float())
         caches.append(cache)
     err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
-    assert err < 2e-2, err
+    assert err < tolerance, err
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # the same rows stored
     assert caches[0].scales.on_host() == caches[1].scales.on_host()
@@ -97,7 +111,7 @@ def qwen3_hd128(tmp_path_factory):
     return checkpoints.write_qwen3(tmp_path_factory.mktemp("qwen3-hd128"), head_dim=128)
 
 
-def _engine(path, kv: str, graphs: bool) -> LLM:
+def _engine(path, kv: str, graphs: bool, fp8_decode: str) -> LLM:
     return LLM(
         str(path),
         device="cuda",
@@ -107,15 +121,21 @@ def _engine(path, kv: str, graphs: bool) -> LLM:
         max_model_len=256,
         kv_cache_dtype=kv,
         cuda_graph={"enabled": graphs},
+        kernels={"fp8_decode": fp8_decode},
     )
 
 
-def test_engine_fp8_follows_bf16_kv_and_graphs_equal_eager(qwen3_hd128):
+@pytest.mark.parametrize("fp8_decode", ["split_kv", "xqa"])
+def test_engine_fp8_follows_bf16_kv_and_graphs_equal_eager(qwen3_hd128, fp8_decode):
+    if fp8_decode == "xqa" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("XQA's FP8 kernel is Hopper's")
     prompts = prompt_set()
     outs = {}
     for kv, graphs in (("auto", True), ("fp8_e4m3", False), ("fp8_e4m3", True)):
-        llm = _engine(qwen3_hd128, kv, graphs)
-        assert llm.engine.runner.attn_backend.name == "flashinfer"
+        llm = _engine(qwen3_hd128, kv, graphs, fp8_decode)
+        backend = llm.engine.runner.attn_backend
+        assert backend.name == "flashinfer"
+        assert (backend._xqa is not None) == (kv == "fp8_e4m3" and fp8_decode == "xqa")
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         outs[kv, graphs] = [list(o.outputs[0].token_ids) for o in got]
         if kv == "auto":

@@ -35,6 +35,9 @@ quantized (setting a scale still 0 as the KV store would); it norms q/k on load 
 once the host has seen the scales set (``KVScales.calibrated``): rows it norms are
 not in that calibration.
 
+``fp8_decode="xqa"`` runs those FP8 decode steps through TensorRT-LLM's XQA kernel
+instead (``xqa_decode.py``, Hopper only): the new rows stored first, the same index.
+
 Decode CUDA graphs get one decode wrapper per captured size, built over
 static index buffers (``use_cuda_graph=True``); ``prepare_replay`` re-plans
 it with the padded batch, which rewrites those buffers before the replay.
@@ -44,13 +47,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from splitserve.config import KernelConfig
+from splitserve.config import FP8_DECODE_KERNELS, KernelConfig
 from splitserve.kernels.kv_store import FP8_DTYPE
 from splitserve.kernels.triton.decode_attention import NORM_ROPE_MAX_BATCH, decode_attention
 from splitserve.workers.attention.base import (
@@ -59,6 +62,7 @@ from splitserve.workers.attention.base import (
     AttentionSpec,
     QKNormRope,
 )
+from splitserve.workers.attention.xqa_decode import XQADecode
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.runner.forward_batch import ForwardBatch, Phase
 from splitserve.workers.runner.input_batch import padded_block_tables
@@ -105,6 +109,14 @@ class SplitKVDecodeMetadata:
     block_tables: torch.Tensor  # [batch, blocks] int
     seq_lens: torch.Tensor  # [batch] int
     may_norm_qk: bool = True  # FP8: only once the host has seen the scales set
+    _int32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def int32_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block tables and lengths in int32, converted once a step (in a graph: by
+        its first layer, on every replay)."""
+        if self._int32 is None:
+            self._int32 = (self.block_tables.to(torch.int32), self.seq_lens.to(torch.int32))
+        return self._int32
 
 
 def tensor_core_decode(num_heads: int, num_kv_heads: int) -> bool:
@@ -150,6 +162,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         # decodes every batch. The engine passes the config's ``kernels.split_kv_max_batch``.
         split_kv_max_batch: int = KernelConfig.split_kv_max_batch,
         kv_dtype: torch.dtype | None = None,  # the cache's: dtype (default) or FP8
+        # FP8 decode steps of the split-KV kernel's batches (``kernels.fp8_decode``)
+        fp8_decode: str = KernelConfig.fp8_decode,
     ):
         import flashinfer
 
@@ -169,8 +183,17 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"flashinfer attention reads a KV cache in the model's dtype ({dtype}) or "
                 f"{FP8_DTYPE}, got {kv_dtype}"
             )
+        if fp8_decode not in FP8_DECODE_KERNELS:
+            raise ValueError(f"fp8_decode must be one of {FP8_DECODE_KERNELS}, got {fp8_decode!r}")
+        xqa = fp8_decode == "xqa" and kv_dtype == FP8_DTYPE
+        if xqa and (capability := torch.cuda.get_device_capability(device))[0] != 9:
+            raise ValueError(
+                "kernels.fp8_decode: xqa runs XQA's Hopper kernel, which needs an SM90 GPU "
+                f"(this one is sm_{capability[0]}{capability[1]}); use split_kv"
+            )
         self._flashinfer = flashinfer
         self.kv_dtype = kv_dtype
+        self._xqa = XQADecode(head_dim, device) if xqa else None
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         if decode_tensor_cores is None:
@@ -207,7 +230,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _plan(self, fb: ForwardBatch) -> None:
         if self._split_kv(fb, fb.num_tokens):
-            fb.attn_metadata = _split_kv_metadata(fb)
+            fb.attn_metadata = self._split_kv_metadata(fb)
             return
         index = PagedKVIndex.of(fb)
         if fb.phase == Phase.DECODE:
@@ -299,6 +322,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache.layer(layer.layer_id)
         scales = kv_cache.layer_scales(layer.layer_id)
         meta = forward_batch.attn_metadata
+        if isinstance(meta, SplitKVDecodeMetadata) and self._xqa is not None:
+            kv_cache.store(layer.layer_id, k, v, forward_batch.slot_mapping)
+            tables, lens = meta.int32_index()
+            return self._xqa(q, k_cache, v_cache, tables, lens, layer.scale, scales)
         if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
             new_kv = (k, v, forward_batch.slot_mapping)
             return decode_attention(
@@ -345,7 +372,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         fb = forward_batch
         if self._split_kv(fb, num_tokens):
             _write_index(fb)
-            fb.attn_metadata = _split_kv_metadata(fb)
+            fb.attn_metadata = self._split_kv_metadata(fb)
             return
         wrapper = self.graph_wrappers[num_tokens]
         with self._planning():
@@ -356,13 +383,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_wrappers = {}
         self._graph_buffers = {}
 
-
-def _split_kv_metadata(fb: ForwardBatch) -> SplitKVDecodeMetadata:
-    """The split-KV kernel norms q/k on load unless the cache is FP8 with scales the host
-    has not seen set (the kernel may set them from the rows, which must be normed)."""
-    scales = fb.kv_cache.scales
-    may_norm = scales is None or scales.calibrated
-    return SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor, may_norm)
+    def _split_kv_metadata(self, fb: ForwardBatch) -> SplitKVDecodeMetadata:
+        """The split-KV kernel norms q/k on load unless the cache is FP8 with scales the
+        host has not seen set (the kernel may set them from the rows, which must be
+        normed); XQA never does."""
+        scales = fb.kv_cache.scales
+        may_norm = scales is None or (scales.calibrated and self._xqa is None)
+        return SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor, may_norm)
 
 
 def _write_index(fb: ForwardBatch) -> None:

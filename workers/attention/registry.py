@@ -62,4 +62,5 @@ def make_attention_backend(
         device,
         split_kv_max_batch=kernels.split_kv_max_batch,
         kv_dtype=layout.dtype,
+        fp8_decode=kernels.fp8_decode,
     )
