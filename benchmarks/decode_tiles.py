@@ -3,7 +3,7 @@ caches, against the KV-bytes floor, to choose ``tuning.GpuTuning.split_kv_tiles`
 ``split_kv_fp8_tiles``.
 
     python benchmarks/decode_tiles.py [--json [PATH]] [--quick] [--shapes ...]
-        [--layout scattered|sequential]
+        [--layout scattered|sequential] [--tiles n128/s1/w2/f16 ...]
 
 Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16), random
 KV in scattered blocks (``--layout sequential``: each request's blocks in a row, as a
@@ -16,13 +16,17 @@ tiles' output first (relative error below 2e-2; the report also gives each one's
 error against the torch reference in float32) and timed with L2 emptied; the floor
 is the KV, q and output bytes at the copy bandwidth measured in the same run.
 Tiles: tokens a tile, pipeline stages, warps, and for FP8 whether tiles and q go to
-float16 for the products (``DecodeTiles``).
+float16 for the products (``DecodeTiles``). ``--tiles`` times only the tilings named
+(the first is the reference), e.g. under Nsight Compute:
+``ncu --set full -k regex:_split_kernel -s 2 -c 1 python benchmarks/decode_tiles.py
+--shapes b64x8k --dtypes fp8 --tiles n128/s1/w2/f16``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import re
 
 import torch
 
@@ -52,6 +56,7 @@ def main() -> None:
     p.add_argument("--layout", choices=LAYOUTS, default="scattered", help="requests' blocks")
     p.add_argument("--json", nargs="?", const="", default=None, help="write the report")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    p.add_argument("--tiles", nargs="+", type=parse_key, help="only these tilings")
     args = p.parse_args()
     device = torch.device("cuda")
     copy_gbps = roofline.copy_bandwidth_gbps(device)
@@ -66,7 +71,7 @@ def main() -> None:
         case = Case(batch, context, DTYPES[kv], device, args.layout)
         floors.setdefault(name, {})[kv] = case.bytes / copy_gbps / 1e3
         times = results.setdefault(name, {}).setdefault(kv, {})
-        for tiles in [defaults[kv], *candidates(kv, args.quick)]:
+        for tiles in args.tiles or [defaults[kv], *candidates(kv, args.quick)]:
             if key(tiles) not in times:
                 us = case.time_us(tiles)
                 if us is not None:
@@ -159,12 +164,23 @@ def key(tiles: DecodeTiles) -> str:
     return f"n{tiles.block_n}/s{tiles.num_stages}/w{tiles.num_warps}{dot}"
 
 
+def parse_key(text: str) -> DecodeTiles:
+    """``key``'s inverse: ``n128/s1/w2/f16`` -> ``DecodeTiles(128, 1, 2, True)``."""
+    match = re.fullmatch(r"n(\d+)/s(\d+)/w(\d+)(/f16)?", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"tiles {text!r}: expected n<tokens>/s<stages>/w<warps>[/f16]"
+        )
+    n, s, w, f16 = match.groups()
+    return DecodeTiles(int(n), int(s), int(w), fp8_f16_dot=f16 is not None)
+
+
 def report(results, floors, errors, defaults, copy_gbps, args) -> None:
     rows = []
     for name, by_kv in results.items():
         for kv, times in by_kv.items():
             picks = [("default", key(defaults[kv])), ("best", min(times, key=times.get))]
-            for label, tiles_key in picks:
+            for label, tiles_key in (p for p in picks if p[1] in times):
                 us, floor_us = times[tiles_key], floors[name][kv]
                 err = errors[name][kv].get(tiles_key)
                 rows.append([name, kv, label, tiles_key, us, floor_us, us / floor_us, err])
