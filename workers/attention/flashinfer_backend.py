@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -109,14 +109,6 @@ class SplitKVDecodeMetadata:
     block_tables: torch.Tensor  # [batch, blocks] int
     seq_lens: torch.Tensor  # [batch] int
     may_norm_qk: bool = True  # FP8: only once the host has seen the scales set
-    _int32: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-
-    def int32_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block tables and lengths in int32, converted once a step (in a graph: by
-        its first layer, on every replay)."""
-        if self._int32 is None:
-            self._int32 = (self.block_tables.to(torch.int32), self.seq_lens.to(torch.int32))
-        return self._int32
 
 
 def tensor_core_decode(num_heads: int, num_kv_heads: int) -> bool:
@@ -324,7 +316,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         meta = forward_batch.attn_metadata
         if isinstance(meta, SplitKVDecodeMetadata) and self._xqa is not None:
             kv_cache.store(layer.layer_id, k, v, forward_batch.slot_mapping)
-            tables, lens = meta.int32_index()
+            # int32 as XQA reads them: the graphs' static index is (no copy), an eager
+            # step's is int64 (a copy a layer, inside the capture if there is one)
+            tables, lens = (t.to(torch.int32) for t in (meta.block_tables, meta.seq_lens))
             return self._xqa(q, k_cache, v_cache, tables, lens, layer.scale, scales)
         if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
             new_kv = (k, v, forward_batch.slot_mapping)
