@@ -104,7 +104,8 @@ class FlashInferMetadata:
 
 @dataclass
 class SplitKVDecodeMetadata:
-    """A decode step for the Triton split-KV kernel: the index it reads, on the device."""
+    """A decode step for the Triton split-KV kernel (or XQA in its place): the index it
+    reads, on the device."""
 
     block_tables: torch.Tensor  # [batch, blocks] int
     seq_lens: torch.Tensor  # [batch] int
@@ -271,7 +272,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _split_kv(self, fb: ForwardBatch, batch: int) -> bool:
         """Whether this decode step runs the Triton split-KV kernel (a cache in the model's
-        dtype, or FP8 with its scales)."""
+        dtype, or FP8 with its scales), or over FP8 with ``fp8_decode="xqa"`` XQA in its
+        place: both read the same index (``SplitKVDecodeMetadata``)."""
         return (
             fb.phase == Phase.DECODE
             and batch <= self.split_kv_max_batch
