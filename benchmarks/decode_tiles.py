@@ -3,7 +3,7 @@ caches, against the KV-bytes floor, to choose ``tuning.GpuTuning.split_kv_tiles`
 ``split_kv_fp8_tiles``.
 
     python benchmarks/decode_tiles.py [--json [PATH]] [--quick] [--shapes ...]
-        [--layout scattered|sequential] [--tiles n128/s1/w2/f16 ...]
+        [--layout scattered|sequential] [--tiles n128/s1/w2/f16/vw ...]
 
 Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16), random
 KV in scattered blocks (``--layout sequential``: each request's blocks in a row, as a
@@ -16,10 +16,10 @@ tiles' output first (relative error below 2e-2; the report also gives each one's
 error against the torch reference in float32) and timed with L2 emptied; the floor
 is the KV, q and output bytes at the copy bandwidth measured in the same run.
 Tiles: tokens a tile, pipeline stages, warps, and for FP8 whether tiles and q go to
-float16 for the products (``DecodeTiles``). ``--tiles`` times only the tilings named
-(the first is the reference), e.g. under Nsight Compute:
-``ncu --set full -k regex:_split_kernel -s 2 -c 1 python benchmarks/decode_tiles.py
---shapes b64x8k --dtypes fp8 --tiles n128/s1/w2/f16``.
+float16 for the products and whether V is then widened from int32 words
+(``DecodeTiles``). ``--tiles`` times only the tilings named (the first is the
+reference), e.g. under Nsight Compute: ``ncu --set full -k regex:_split_kernel -s 2 -c 1
+python benchmarks/decode_tiles.py --shapes b64x8k --dtypes fp8 --tiles n128/s1/w2/f16``.
 """
 
 from __future__ import annotations
@@ -150,29 +150,31 @@ class Case:
 
 def candidates(kv: str, quick: bool) -> list[DecodeTiles]:
     grid = QUICK if quick else GRID
-    f16 = (False, True) if kv == "fp8" else (False,)
+    # FP8: bfloat16 products; float16; float16 with V widened from words
+    fp8 = ((False, False), (True, False), (True, True)) if kv == "fp8" else ((False, False),)
     return [
-        DecodeTiles(n, s, w, f)
-        for n, s, w, f in itertools.product(
-            grid["block_n"], grid["num_stages"], grid["num_warps"], f16
+        DecodeTiles(n, s, w, f16, words)
+        for n, s, w, (f16, words) in itertools.product(
+            grid["block_n"], grid["num_stages"], grid["num_warps"], fp8
         )
     ]
 
 
 def key(tiles: DecodeTiles) -> str:
     dot = "/f16" if tiles.fp8_f16_dot else ""
-    return f"n{tiles.block_n}/s{tiles.num_stages}/w{tiles.num_warps}{dot}"
+    words = "/vw" if tiles.fp8_v_words else ""
+    return f"n{tiles.block_n}/s{tiles.num_stages}/w{tiles.num_warps}{dot}{words}"
 
 
 def parse_key(text: str) -> DecodeTiles:
-    """``key``'s inverse: ``n128/s1/w2/f16`` -> ``DecodeTiles(128, 1, 2, True)``."""
-    match = re.fullmatch(r"n(\d+)/s(\d+)/w(\d+)(/f16)?", text)
+    """``key``'s inverse: ``n128/s1/w2/f16/vw`` -> ``DecodeTiles(128, 1, 2, True, True)``."""
+    match = re.fullmatch(r"n(\d+)/s(\d+)/w(\d+)(/f16(/vw)?)?", text)
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"tiles {text!r}: expected n<tokens>/s<stages>/w<warps>[/f16]"
+            f"tiles {text!r}: expected n<tokens>/s<stages>/w<warps>[/f16[/vw]]"
         )
-    n, s, w, f16 = match.groups()
-    return DecodeTiles(int(n), int(s), int(w), fp8_f16_dot=f16 is not None)
+    n, s, w, f16, words = match.groups()
+    return DecodeTiles(int(n), int(s), int(w), f16 is not None, words is not None)
 
 
 def report(results, floors, errors, defaults, copy_gbps, args) -> None:
