@@ -3,23 +3,24 @@ caches, against the KV-bytes floor, to choose ``tuning.GpuTuning.split_kv_tiles`
 ``split_kv_fp8_tiles``.
 
     python benchmarks/decode_tiles.py [--json [PATH]] [--quick] [--shapes ...]
-        [--layout scattered|sequential] [--tiles n128/s1/w2/f16/vw ...]
+        [--layout scattered|sequential] [--tiles n128/s1/w2/f16 ...]
 
 Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16), random
 KV in scattered blocks (``--layout sequential``: each request's blocks in a row, as a
 fresh engine allocates them; FP8: N(0, 1) quantized with scales of 1/16), one layer's
 call as a decode step makes it (the new K/V row stored too; int64 tables, lengths and
 slots, as the engine passes them; the split count the kernel picks for the batch).
-Shapes: 64 requests at 8k tokens each (one split: the shape of the FP8 target) and 8
-requests at 8k (eight splits). Each configuration is checked against the default
-tiles' output first (relative error below 2e-2; the report also gives each one's
-error against the torch reference in float32) and timed with L2 emptied; the floor
-is the KV, q and output bytes at the copy bandwidth measured in the same run.
+Shapes: 64 requests at 8k tokens each (one split: the shape of the FP8 target), 32 and
+16 (two and four splits on an H200) and 8 (eight splits). Each configuration is
+checked against the default tiles' output first (relative error below 2e-2; the report
+also gives each one's error against the torch reference in float32) and timed with L2
+emptied and the GPU held until the host has queued the call (``host_ahead``); the
+floor is the KV, q and output bytes at the copy bandwidth measured in the same run.
 Tiles: tokens a tile, pipeline stages, warps, and for FP8 whether tiles and q go to
-float16 for the products and whether V is then widened from int32 words
-(``DecodeTiles``). ``--tiles`` times only the tilings named (the first is the
-reference), e.g. under Nsight Compute: ``ncu --set full -k regex:_split_kernel -s 2 -c 1
-python benchmarks/decode_tiles.py --shapes b64x8k --dtypes fp8 --tiles n128/s1/w2/f16``.
+float16 for the products (``DecodeTiles``). ``--tiles`` times only the tilings named
+(the first is the reference), e.g. under Nsight Compute:
+``ncu --set full -k regex:_split_kernel -s 2 -c 1 python benchmarks/decode_tiles.py
+--shapes b64x8k --dtypes fp8 --tiles n128/s1/w2/f16``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from splitserve.kernels.triton.decode_attention import decode_attention
 from splitserve.kernels.tuning import DecodeTiles
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
-SHAPES = {"b64x8k": (64, 8192), "b8x8k": (8, 8192)}
+SHAPES = {"b64x8k": (64, 8192), "b32x8k": (32, 8192), "b16x8k": (16, 8192), "b8x8k": (8, 8192)}
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 GRID = {"block_n": (64, 128, 256), "num_stages": (1, 2, 3, 4), "num_warps": (2, 4, 8)}
 QUICK = {"block_n": (64, 128), "num_stages": (1, 3), "num_warps": (2, 4)}
@@ -135,7 +136,10 @@ class Case:
         if not err < 2e-2:
             raise SystemExit(f"{key(tiles)}: relative error {err:.3g} against the default")
         self.errors[key(tiles)] = self.torch_error(out)
-        return roofline.time_cuda_ms(lambda: self.run(tiles), repeat=20, flush_l2=True) * 1e3
+        ms = roofline.time_cuda_ms(
+            lambda: self.run(tiles), repeat=20, flush_l2=True, host_ahead=True
+        )
+        return ms * 1e3
 
     def torch_error(self, out: torch.Tensor) -> float:
         """Relative max error of ``out`` against the torch reference in float32 (computed
@@ -150,31 +154,29 @@ class Case:
 
 def candidates(kv: str, quick: bool) -> list[DecodeTiles]:
     grid = QUICK if quick else GRID
-    # FP8: bfloat16 products; float16; float16 with V widened from words
-    fp8 = ((False, False), (True, False), (True, True)) if kv == "fp8" else ((False, False),)
+    f16 = (False, True) if kv == "fp8" else (False,)
     return [
-        DecodeTiles(n, s, w, f16, words)
-        for n, s, w, (f16, words) in itertools.product(
-            grid["block_n"], grid["num_stages"], grid["num_warps"], fp8
+        DecodeTiles(n, s, w, f)
+        for n, s, w, f in itertools.product(
+            grid["block_n"], grid["num_stages"], grid["num_warps"], f16
         )
     ]
 
 
 def key(tiles: DecodeTiles) -> str:
     dot = "/f16" if tiles.fp8_f16_dot else ""
-    words = "/vw" if tiles.fp8_v_words else ""
-    return f"n{tiles.block_n}/s{tiles.num_stages}/w{tiles.num_warps}{dot}{words}"
+    return f"n{tiles.block_n}/s{tiles.num_stages}/w{tiles.num_warps}{dot}"
 
 
 def parse_key(text: str) -> DecodeTiles:
-    """``key``'s inverse: ``n128/s1/w2/f16/vw`` -> ``DecodeTiles(128, 1, 2, True, True)``."""
-    match = re.fullmatch(r"n(\d+)/s(\d+)/w(\d+)(/f16(/vw)?)?", text)
+    """``key``'s inverse: ``n128/s1/w2/f16`` -> ``DecodeTiles(128, 1, 2, True)``."""
+    match = re.fullmatch(r"n(\d+)/s(\d+)/w(\d+)(/f16)?", text)
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"tiles {text!r}: expected n<tokens>/s<stages>/w<warps>[/f16[/vw]]"
+            f"tiles {text!r}: expected n<tokens>/s<stages>/w<warps>[/f16]"
         )
-    n, s, w, f16, words = match.groups()
-    return DecodeTiles(int(n), int(s), int(w), f16 is not None, words is not None)
+    n, s, w, f16 = match.groups()
+    return DecodeTiles(int(n), int(s), int(w), fp8_f16_dot=f16 is not None)
 
 
 def report(results, floors, errors, defaults, copy_gbps, args) -> None:

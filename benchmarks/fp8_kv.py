@@ -73,7 +73,9 @@ KERNELS = ("Triton split-KV", "FlashInfer tensor cores", "FlashInfer CUDA cores"
 XQA = "XQA (FlashInfer)"  # FP8 only: the backend's fp8_decode="xqa"
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 TOLERANCE = {"bf16": 2e-2, "fp8": 2e-2}  # against torch on the same (quantized) cache
-XQA_TOLERANCE = 5e-2  # q and the probabilities rounded to e4m3 on the way
+# q and the probabilities rounded to e4m3 on the way: its max error at 64 x 8k ran 3.9e-2
+# to 5.5e-2 over three unseeded runs (H200, 2026-11-28); the inputs are seeded now.
+XQA_TOLERANCE = 8e-2
 TARGET_OF_FLOOR = 1.15
 # An engine's decode graphs captured before the host saw the scales set (none from the
 # checkpoint, no hand-off yet): the split-KV kernel with its check of the scales (and,
@@ -357,6 +359,7 @@ def main() -> None:
     parser.add_argument("--json", nargs="?", const="", help="write the report (default path)")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    torch.manual_seed(0)  # the same random cache and rows in every run
     repeat = 10 if args.quick else 30
     report = environment(command_line("fp8_kv.py"))
     failed = False

@@ -53,15 +53,12 @@ class MoETiles:
 class DecodeTiles:
     """The split-KV decode kernel's launch (``triton/decode_attention.py``): tokens a tile,
     pipeline depth, warps; and for an FP8 cache, whether its tiles widen to float16 (exact
-    for e4m3, as bfloat16 is) with q cast to float16 for the products, and whether V (with
-    float16 products) is read as int32 words and widened before its shared-memory copy
-    (``triton/e4m3_words.py``)."""
+    for e4m3, as bfloat16 is) with q cast to float16 for the products."""
 
     block_n: int
     num_stages: int
     num_warps: int
     fp8_f16_dot: bool = False
-    fp8_v_words: bool = False
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,7 @@ import triton.language as tl
 
 from splitserve.kernels import tuning
 from splitserve.kernels.decode_attention import check_shapes
-from splitserve.kernels.triton.device import capability, sm_count
-from splitserve.kernels.triton.e4m3_words import widen_e4m3_words
+from splitserve.kernels.triton.device import sm_count
 from splitserve.kernels.triton.pdl import launch_options, loop_done, wait_previous_kernel
 from splitserve.kernels.triton.qk_norm_rope import norm_rope_rows
 from splitserve.kernels.tuning import DecodeTiles
@@ -95,9 +94,6 @@ def _load_tile(
     stride_cache_block,
     stride_cache_offset,
     LOW_WORDS: tl.constexpr,  # an int64 table: read its entries' low int32 words
-    V_WORDS: tl.constexpr,  # FP8: V as int32 words (``words``: a row's, ``word_ok``: in it)
-    words,
-    word_ok,
 ):
     """K and V of tokens ``[first, first + BLOCK_N)`` below ``end``, through the block table."""
     tokens = first + tl.arange(0, BLOCK_N)
@@ -110,22 +106,14 @@ def _load_tile(
     row = block * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_offset + head_off
     kv_mask = valid[:, None] & dim_ok[None, :]
     k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    if V_WORDS:  # rows start at multiples of 4 bytes (the wrapper checks)
-        v_words = v_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-        word_mask = valid[:, None] & word_ok[None, :]
-        v = tl.load(v_words + (row // 4)[:, None] + words[None, :], mask=word_mask, other=0)
-    else:
-        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     return k, v, valid
 
 
 @triton.jit
-def _attend_tile(
-    q, k, v, valid, m, denom, acc, scale, PRECISION: tl.constexpr, V_WORDS: tl.constexpr
-):
+def _attend_tile(q, k, v, valid, m, denom, acc, scale, PRECISION: tl.constexpr):
     """One tile's step of the online softmax: the running max, sum and output updated."""
-    k = k.to(q.dtype)  # FP8 caches: widened to q's dtype (else as is)
-    v = widen_e4m3_words(v, V_WORDS == 1) if V_WORDS else v.to(q.dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # FP8 caches: widened to q's dtype (else as is)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
     scores = tl.where(valid[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -220,7 +208,6 @@ def _split_kernel(
     PDL: tl.constexpr,
     F16_DOT: tl.constexpr,  # FP8: q and the widened tiles in float16 (``DecodeTiles``)
     LOW_WORDS: tl.constexpr,  # an int64 block table read as its low int32 words
-    V_WORDS: tl.constexpr,  # FP8, float16 products: V widened from words (1: by PTX, 2: shifts)
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -233,15 +220,12 @@ def _split_kernel(
     cached_end = tl.minimum(end, last) if NEW_KV else end  # the new row: after the loop
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    words = tl.arange(0, BLOCK_D // 4)
-    word_ok = words < HEAD_DIM // 4
     table = block_table_ptr + b.to(tl.int64) * stride_bt
     head_off = kv_head * stride_cache_head
     if PRELOAD:  # the first tile of cached tokens, which no kernel of this step writes
         k0, v0, valid0 = _load_tile(
             k_cache_ptr, v_cache_ptr, table, start, cached_end, head_off, dims, dim_ok,
-            BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset, LOW_WORDS, V_WORDS,
-            words, word_ok,
+            BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset, LOW_WORDS,
         )  # fmt: skip
     wait_previous_kernel(PDL)
 
@@ -310,17 +294,14 @@ def _split_kernel(
     first_tile = start
     if PRELOAD:
         if start < cached_end:  # an empty split attends nothing (all -inf would give NaN)
-            m, denom, acc = _attend_tile(
-                q, k0, v0, valid0, m, denom, acc, scale, PRECISION, V_WORDS
-            )
+            m, denom, acc = _attend_tile(q, k0, v0, valid0, m, denom, acc, scale, PRECISION)
         first_tile = start + BLOCK_N
     for first in range(first_tile, cached_end, BLOCK_N):
         k, v, valid = _load_tile(
             k_cache_ptr, v_cache_ptr, table, first, cached_end, head_off, dims, dim_ok,
-            BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset, LOW_WORDS, V_WORDS,
-            words, word_ok,
+            BLOCK_SIZE, BLOCK_N, stride_cache_block, stride_cache_offset, LOW_WORDS,
         )  # fmt: skip
-        m, denom, acc = _attend_tile(q, k, v, valid, m, denom, acc, scale, PRECISION, V_WORDS)
+        m, denom, acc = _attend_tile(q, k, v, valid, m, denom, acc, scale, PRECISION)
     loop_done(PDL)
     if NEW_KV:  # noqa: SIM102 - a compile-time branch around a run-time one
         if (start <= last) & (last < end):  # this run holds the new row: from the inputs
@@ -441,7 +422,6 @@ def decode_attention(
     k_new, v_new = (x if x.stride(-1) == 1 else x.contiguous() for x in (k_new, v_new))
     # without norm_rope: placeholders the kernel never reads
     positions, q_norm, k_norm, eps, cos, sin = norm_rope or (seq_lens, q, q, 0.0, q, q)
-    f16_dot = tiles.fp8_f16_dot and kv_scales is not None and q.dtype != torch.float32
     _split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse, out, out.stride(0),
         out.stride(1), k_new, v_new, slots, *(kv_scales or (seq_lens, seq_lens)),
@@ -454,7 +434,7 @@ def decode_attention(
         NEW_KV=new_kv is not None, NORM_ROPE=norm_rope is not None, FP8=kv_scales is not None,
         CALIBRATE=kv_scales is not None and new_kv is not None and norm_rope is None,
         GROUP_KV=num_kv_heads, BLOCK_KV=triton.next_power_of_2(num_kv_heads),
-        F16_DOT=f16_dot, V_WORDS=_v_words(tiles, f16_dot, v_cache, head_dim),
+        F16_DOT=tiles.fp8_f16_dot and kv_scales is not None and q.dtype != torch.float32,
         LOW_WORDS=block_tables.dtype == torch.int64,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         PRELOAD=batch == 1 and new_kv is not None,  # the new row is not among the cached
@@ -472,14 +452,3 @@ def decode_attention(
         **launch_options(q.device, starts_early=batch <= PDL_MAX_BATCH, lets_next_start=True),
     )  # fmt: skip
     return out
-
-
-def _v_words(tiles: DecodeTiles, f16_dot: bool, v_cache: torch.Tensor, head_dim: int) -> int:
-    """``V_WORDS``: 0 (V widened by Triton), 1 (from words by PTX, on a GPU with FP8
-    conversions) or 2 (from words by shifts); words where the tiles ask for them, the
-    products are float16 and every row of V starts at a multiple of 4 bytes."""
-    aligned = head_dim % 4 == 0 and all(s % 4 == 0 for s in v_cache.stride()[:3])
-    if not (tiles.fp8_v_words and f16_dot and aligned and v_cache.data_ptr() % 4 == 0):
-        return 0
-    on_gpu = v_cache.device.type == "cuda" and capability(v_cache.device) >= (8, 9)
-    return 1 if on_gpu else 2

@@ -8,7 +8,7 @@ import torch
 
 from splitserve.kernels.decode_attention import decode_attention as reference
 from splitserve.kernels.kv_store import FP8_DTYPE, dequantize_fp8
-from splitserve.kernels.triton.decode_attention import _v_words, decode_attention
+from splitserve.kernels.triton.decode_attention import decode_attention
 from splitserve.kernels.tuning import DecodeTiles
 from tests.kernels.test_decode_attention import new_rows, paged_inputs
 from tests.kernels.utils import DEVICE, DTYPES, ON_GPU, assert_close
@@ -90,30 +90,6 @@ def test_fp8_tiles_widen_to_either_16_bit_type_alike(f16_dot):
     )
     want = reference(q.float(), k_cache, v_cache, tables, lens, 0.25, kv_scales=scales)
     assert_close(out.float(), want, torch.bfloat16)
-
-
-@pytest.mark.parametrize("new_kv", [False, True])
-@pytest.mark.parametrize("head_dim", [16, 12, 10])
-def test_v_widened_from_words_reads_as_the_reference(head_dim, new_kv):
-    """V read as int32 words and widened before its shared-memory copy: a head dim that
-    fills its words' block (16), one that leaves words unused (12 of 16), one that
-    cannot be read as words (10: V widened as before); several tiles and splits."""
-    case = ([150, 20, 1], 4, 2, head_dim, 4, 2)
-    q, k_cache, v_cache, tables, lens, scales = fp8_inputs(case, torch.bfloat16)
-    tiles = DecodeTiles(32, 1, 2, fp8_f16_dot=True, fp8_v_words=True)
-    by_words = 0 if head_dim % 4 else (1 if ON_GPU else 2)
-    assert _v_words(tiles, True, v_cache, head_dim) == by_words
-    new = None
-    if new_kv:
-        k, v, slots = new_rows(tables, lens, 2, head_dim, 4, torch.bfloat16)
-        new = (fp8_exact_rows(k, SCALES[0]), fp8_exact_rows(v, SCALES[1]), slots)
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    out = decode_attention(
-        q, k_cache, v_cache, tables, lens, 0.25, 2, new_kv=new, kv_scales=scales, tiles=tiles
-    )
-    want = reference(q.float(), ref_k, ref_v, tables, lens, 0.25, new_kv=new, kv_scales=scales)
-    assert_close(out.float(), want, torch.bfloat16)
-    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
 
 
 def test_float16_products_clamp_a_q_beyond_float16s_range():
