@@ -201,8 +201,8 @@ class KernelConfig:
     split_kv_max_batch: int = 64
     # Those decode steps over an FP8 KV cache: "split_kv" (the Triton kernel, tiles
     # widened to float16, q as it is) or "xqa" (TensorRT-LLM's XQA through FlashInfer,
-    # Hopper only: 10% faster at 64 x 8k, but q and the probabilities rounded to e4m3,
-    # 8x the error; docs/perf/TUNING.md).
+    # Hopper only: 9-10% faster at 64 x 8k, but q and the probabilities rounded to e4m3,
+    # 7-8x the error; docs/perf/TUNING.md).
     fp8_decode: str = "split_kv"
 
     def check(self) -> None:
