@@ -17,8 +17,11 @@ also gives each one's error against the torch reference in float32) and timed wi
 emptied and the GPU held until the host has queued the call (``host_ahead``); the
 floor is the KV, q and output bytes at the copy bandwidth measured in the same run.
 Tiles: tokens a tile, pipeline stages, warps, and for FP8 whether tiles and q go to
-float16 for the products (``DecodeTiles``). ``--tiles`` times only the tilings named
-(the first is the reference), e.g. under Nsight Compute:
+float16 for the products (``DecodeTiles``). FP8 also times the tensor-core CUDA kernel
+(``kernels/fp8_decode_cuda.py``, keys ``cuda/w<warps>/s<stages>/b<blocks an SM>``,
+``FP8DecodeTiles``) with the Triton store of the new rows before it, as the engine
+runs it. ``--tiles`` times only the tilings named (the first is the reference), e.g.
+under Nsight Compute:
 ``ncu --set full -k regex:_split_kernel -s 2 -c 1 python benchmarks/decode_tiles.py
 --shapes b64x8k --dtypes fp8 --tiles n128/s1/w2/f16``.
 """
@@ -38,15 +41,19 @@ except ImportError:  # imported as a module
 
 from splitserve.kernels import tuning
 from splitserve.kernels.decode_attention import decode_attention as reference_attention
+from splitserve.kernels.fp8_decode_cuda import FP8DecodeKernel
 from splitserve.kernels.kv_store import FP8_DTYPE
 from splitserve.kernels.triton.decode_attention import decode_attention
-from splitserve.kernels.tuning import DecodeTiles
+from splitserve.kernels.triton.kv_store import store_kv_fp8
+from splitserve.kernels.tuning import DecodeTiles, FP8DecodeTiles
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 SHAPES = {"b64x8k": (64, 8192), "b32x8k": (32, 8192), "b16x8k": (16, 8192), "b8x8k": (8, 8192)}
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 GRID = {"block_n": (64, 128, 256), "num_stages": (1, 2, 3, 4), "num_warps": (2, 4, 8)}
 QUICK = {"block_n": (64, 128), "num_stages": (1, 3), "num_warps": (2, 4)}
+CUDA_GRID = {"warps": (4, 8), "stages": (2, 3, 4), "blocks_per_sm": (1.0, 2.0, 4.0)}
+CUDA_QUICK = {"warps": (8,), "stages": (2, 3), "blocks_per_sm": (2.0, 4.0)}
 LAYOUTS = ("scattered", "sequential")
 
 
@@ -116,7 +123,14 @@ class Case:
         self.torch_out: torch.Tensor | None = None
         self.errors: dict[str, float] = {}  # tiles -> relative error against torch
 
-    def run(self, tiles: DecodeTiles) -> torch.Tensor:
+    def run(self, tiles: DecodeTiles | FP8DecodeTiles) -> torch.Tensor:
+        if isinstance(tiles, FP8DecodeTiles):  # the new rows stored first, as the engine does
+            store_kv_fp8(self.k, self.v, self.k_cache, self.v_cache, self.slots, *self.scales,
+                         calibrated=True)  # fmt: skip
+            return FP8DecodeKernel(tiles)(
+                self.q, self.k_cache, self.v_cache, self.tables, self.lens, DIM**-0.5,
+                self.scales,
+            )  # fmt: skip
         return decode_attention(
             self.q, self.k_cache, self.v_cache, self.tables, self.lens, DIM**-0.5,
             new_kv=(self.k, self.v, self.slots), kv_scales=self.scales, tiles=tiles,
@@ -152,28 +166,40 @@ class Case:
         return float((out - self.torch_out).abs().max() / self.torch_out.abs().max())
 
 
-def candidates(kv: str, quick: bool) -> list[DecodeTiles]:
+def candidates(kv: str, quick: bool) -> list[DecodeTiles | FP8DecodeTiles]:
     grid = QUICK if quick else GRID
     f16 = (False, True) if kv == "fp8" else (False,)
-    return [
+    tiles: list[DecodeTiles | FP8DecodeTiles] = [
         DecodeTiles(n, s, w, f)
         for n, s, w, f in itertools.product(
             grid["block_n"], grid["num_stages"], grid["num_warps"], f16
         )
     ]
+    if kv == "fp8":
+        cuda = CUDA_QUICK if quick else CUDA_GRID
+        tiles += [FP8DecodeTiles(*t) for t in itertools.product(*cuda.values())]
+    return tiles
 
 
-def key(tiles: DecodeTiles) -> str:
+def key(tiles: DecodeTiles | FP8DecodeTiles) -> str:
+    if isinstance(tiles, FP8DecodeTiles):
+        return f"cuda/w{tiles.warps}/s{tiles.stages}/b{tiles.blocks_per_sm:g}"
     dot = "/f16" if tiles.fp8_f16_dot else ""
     return f"n{tiles.block_n}/s{tiles.num_stages}/w{tiles.num_warps}{dot}"
 
 
-def parse_key(text: str) -> DecodeTiles:
-    """``key``'s inverse: ``n128/s1/w2/f16`` -> ``DecodeTiles(128, 1, 2, True)``."""
+def parse_key(text: str) -> DecodeTiles | FP8DecodeTiles:
+    """``key``'s inverse: ``n128/s1/w2/f16`` -> ``DecodeTiles(128, 1, 2, True)``,
+    ``cuda/w8/s3/b2`` -> ``FP8DecodeTiles(8, 3, 2.0)``."""
+    cuda = re.fullmatch(r"cuda/w(\d+)/s(\d+)/b([\d.]+)", text)
+    if cuda is not None:
+        w, s, b = cuda.groups()
+        return FP8DecodeTiles(int(w), int(s), float(b))
     match = re.fullmatch(r"n(\d+)/s(\d+)/w(\d+)(/f16)?", text)
     if match is None:
         raise argparse.ArgumentTypeError(
-            f"tiles {text!r}: expected n<tokens>/s<stages>/w<warps>[/f16]"
+            f"tiles {text!r}: expected n<tokens>/s<stages>/w<warps>[/f16] or "
+            "cuda/w<warps>/s<stages>/b<blocks an SM>"
         )
     n, s, w, f16 = match.groups()
     return DecodeTiles(int(n), int(s), int(w), fp8_f16_dot=f16 is not None)

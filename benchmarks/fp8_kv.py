@@ -8,9 +8,10 @@ Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16):
   one CUDA graph (as a decode graph runs them; a layer's call stores its new rows
   too), in a bf16 cache and in an FP8 cache with calibrated scales, through the
   engine's FlashInfer backend: the Triton split-KV kernel (the engine's choice at
-  batch 64) and FlashInfer's tensor-core and CUDA-core decode, and for FP8 TensorRT-LLM's
-  XQA kernel through FlashInfer (Hopper; q and the softmax's probabilities in e4m3, so
-  its tolerance is wider). Each against its own floor: the
+  batch 64 for bf16) and FlashInfer's tensor-core and CUDA-core decode, and for FP8 the
+  CUDA tensor-core kernel (``kernels/fp8_decode_cuda.py``, the engine's choice for FP8
+  where it runs) and TensorRT-LLM's XQA kernel through FlashInfer (Hopper; q and the
+  softmax's probabilities in e4m3, so its tolerance is wider). Each against its own floor: the
   KV bytes it reads (1 byte an element in FP8, 2 in bf16) plus q and out at the
   measured copy bandwidth. The target: FP8 within 1.15x of its floor and faster
   than bf16 in absolute time. One more FP8 row: the split-KV kernel as decode
@@ -71,6 +72,8 @@ BATCH, CONTEXT = 64, 8192
 PROMPT = 4096
 KERNELS = ("Triton split-KV", "FlashInfer tensor cores", "FlashInfer CUDA cores")
 XQA = "XQA (FlashInfer)"  # FP8 only: the backend's fp8_decode="xqa"
+MMA = "CUDA tensor cores"  # FP8 only: fp8_decode="mma"
+FP8_DECODE = {XQA: "xqa", MMA: "mma"}  # the others: "split_kv"
 DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 TOLERANCE = {"bf16": 2e-2, "fp8": 2e-2}  # against torch on the same (quantized) cache
 # q and the probabilities rounded to e4m3 on the way: its max error at 64 x 8k ran 3.9e-2
@@ -105,8 +108,8 @@ def decode_row(cache: KVCache, kv: str, kernels: str, bandwidth: float, repeat: 
     backend = FlashInferAttentionBackend(
         HEADS, KV_HEADS, DIM, torch.bfloat16, device,
         decode_tensor_cores=kernels != "FlashInfer CUDA cores",
-        split_kv_max_batch=BATCH if kernels in ("Triton split-KV", XQA) else 0,
-        kv_dtype=cache.layout.dtype, fp8_decode="xqa" if kernels == XQA else "split_kv",
+        split_kv_max_batch=BATCH if kernels in ("Triton split-KV", XQA, MMA) else 0,
+        kv_dtype=cache.layout.dtype, fp8_decode=FP8_DECODE.get(kernels, "split_kv"),
     )  # fmt: skip
     per_seq = CONTEXT // BLOCK + 1
     steps = [
@@ -161,7 +164,7 @@ def run_decode(repeat: int) -> tuple[list[dict], float]:
         cache = decode_cache(kv, device)
         variants = [(k, k) for k in KERNELS]
         if cache.is_fp8:  # scales unseen by the host when the graph was captured
-            variants += [(XQA, XQA), ("Triton split-KV", STORE_FIRST)]
+            variants += [(MMA, MMA), (XQA, XQA), ("Triton split-KV", STORE_FIRST)]
         for kernels, label in variants:
             if label == STORE_FIRST:
                 cache.scales.set([0.0] * LAYERS, [0.0] * LAYERS)  # the first store sets them
@@ -174,7 +177,7 @@ def run_decode(repeat: int) -> tuple[list[dict], float]:
         gc.collect()
         torch.cuda.empty_cache()
     for r in rows:
-        kernels = "Triton split-KV" if r["kernels"] in (STORE_FIRST, XQA) else r["kernels"]
+        kernels = "Triton split-KV" if r["kernels"] in (STORE_FIRST, XQA, MMA) else r["kernels"]
         bf16 = next(b for b in rows if b["kv"] == "bf16" and b["kernels"] == kernels)
         if "ms" in r and "ms" in bf16:
             r["vs_bf16"] = r["ms"] / bf16["ms"]

@@ -62,6 +62,17 @@ class DecodeTiles:
 
 
 @dataclass(frozen=True)
+class FP8DecodeTiles:
+    """The tensor-core FP8 decode kernel's launch (``fp8_decode_cuda.py``): KV heads a
+    block (one warp each), tiles of 16 tokens in flight a warp, and blocks an SM the
+    split count aims at."""
+
+    warps: int = 8
+    stages: int = 3
+    blocks_per_sm: float = 2.0
+
+
+@dataclass(frozen=True)
 class GpuTuning:
     """What one kind of GPU takes."""
 
@@ -83,6 +94,7 @@ class GpuTuning:
     split_kv_fp8_tiles: DecodeTiles = field(
         default_factory=lambda: DecodeTiles(128, 1, 2, fp8_f16_dot=True)
     )
+    fp8_decode_tiles: FP8DecodeTiles = field(default_factory=FP8DecodeTiles)
     moe_decode_tiles: MoETiles = field(
         default_factory=lambda: MoETiles(
             16, gate_up=Tiles(128, 128, 3, 4), down=Tiles(64, 128, 4, 8)

@@ -185,7 +185,7 @@ class CudaGraphConfig:
         return sizes
 
 
-FP8_DECODE_KERNELS = ("split_kv", "xqa")
+FP8_DECODE_KERNELS = ("auto", "mma", "split_kv", "xqa")
 
 
 @dataclass
@@ -199,11 +199,13 @@ class KernelConfig:
     # Decode steps of up to this many requests run the Triton split-KV attention
     # kernel (FlashInfer backend); 0: FlashInfer's decode kernels for every batch.
     split_kv_max_batch: int = 64
-    # Those decode steps over an FP8 KV cache: "split_kv" (the Triton kernel, tiles
-    # widened to float16, q as it is) or "xqa" (TensorRT-LLM's XQA through FlashInfer,
-    # Hopper only: 9-10% faster at 64 x 8k, but q and the probabilities rounded to e4m3,
-    # 7-8x the error; docs/perf/TUNING.md).
-    fp8_decode: str = "split_kv"
+    # Those decode steps over an FP8 KV cache: "mma" (the CUDA tensor-core kernel,
+    # ``kernels/fp8_decode_cuda.py``: sm89+, head_dim 128, up to 16 query heads a KV
+    # head), "split_kv" (the Triton kernel, tiles widened to float16 as "mma" does), or
+    # "xqa" (TensorRT-LLM's XQA through FlashInfer, Hopper only: q and the probabilities
+    # rounded to e4m3, 7-8x the error); "auto": "mma" where it runs, else "split_kv"
+    # (docs/perf/TUNING.md).
+    fp8_decode: str = "auto"
 
     def check(self) -> None:
         value = self.split_kv_max_batch

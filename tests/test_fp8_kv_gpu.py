@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
+from splitserve.kernels.fp8_decode_cuda import FP8DecodeKernel
 from splitserve.kernels.kv_store import FP8_DTYPE
 from splitserve.workers.attention.base import AttentionSpec
 from splitserve.workers.attention.torch_backend import TorchAttentionBackend
+from splitserve.workers.attention.xqa_decode import XQADecode
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.kv.layout import KVLayout
 from splitserve.workers.runner.input_batch import StepRequest, build_forward_batch
@@ -57,6 +59,7 @@ DECODE = {  # decode kernel: (split_kv_max_batch, fp8_decode, tolerance)
     "split-kv": (64, "split_kv", 2e-2),
     "flashinfer-decode": (0, "split_kv", 2e-2),
     "xqa": (64, "xqa", 5e-2),
+    "mma": (64, "mma", 2e-2),
 }
 
 
@@ -125,7 +128,10 @@ def _engine(path, kv: str, graphs: bool, fp8_decode: str) -> LLM:
     )
 
 
-@pytest.mark.parametrize("fp8_decode", ["split_kv", "xqa"])
+FP8_KERNEL = {"auto": FP8DecodeKernel, "split_kv": type(None), "xqa": XQADecode}
+
+
+@pytest.mark.parametrize("fp8_decode", sorted(FP8_KERNEL))
 def test_engine_fp8_follows_bf16_kv_and_graphs_equal_eager(qwen3_hd128, fp8_decode):
     if fp8_decode == "xqa" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("XQA's FP8 kernel is Hopper's")
@@ -135,8 +141,9 @@ def test_engine_fp8_follows_bf16_kv_and_graphs_equal_eager(qwen3_hd128, fp8_deco
         llm = _engine(qwen3_hd128, kv, graphs, fp8_decode)
         backend = llm.engine.runner.attn_backend
         assert backend.name == "flashinfer"
-        assert (backend._xqa is not None) == (kv == "fp8_e4m3" and fp8_decode == "xqa")
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        kernels = {type(k) for k in backend._fp8_kernels.values()}  # by the steps' caches
+        assert kernels == ({FP8_KERNEL[fp8_decode]} if kv == "fp8_e4m3" else {type(None)})
         outs[kv, graphs] = [list(o.outputs[0].token_ids) for o in got]
         if kv == "auto":
             sequences = [p + r for p, r in zip(prompts, outs[kv, graphs])]

@@ -445,10 +445,19 @@ def decode_attention(
     )  # fmt: skip
     if splits == 1:
         return out
+    return merge_splits(part_out, part_lse, out)
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` ([batch, num_heads, head_dim]) from the splits' normalized partial outputs
+    (``part_out`` [batch, num_heads, splits, head_dim] float32) and their natural-log
+    log-sum-exps (``part_lse`` [batch, num_heads, splits], -inf for an empty split)."""
+    batch, num_heads, splits, head_dim = part_out.shape
     _merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4,
-        **launch_options(q.device, starts_early=batch <= PDL_MAX_BATCH, lets_next_start=True),
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
+        **launch_options(out.device, starts_early=batch <= PDL_MAX_BATCH, lets_next_start=True),
     )  # fmt: skip
     return out

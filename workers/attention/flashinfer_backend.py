@@ -35,8 +35,11 @@ quantized (setting a scale still 0 as the KV store would); it norms q/k on load 
 once the host has seen the scales set (``KVScales.calibrated``): rows it norms are
 not in that calibration.
 
-``fp8_decode="xqa"`` runs those FP8 decode steps through TensorRT-LLM's XQA kernel
-instead (``xqa_decode.py``, Hopper only): the new rows stored first, the same index.
+Those FP8 decode steps run the CUDA tensor-core kernel instead (``fp8_decode="mma"``,
+``kernels/fp8_decode_cuda.py``; ``"auto"``, the default, wherever it runs: sm89+, head
+dim 128, blocks of a multiple of 16 tokens) or TensorRT-LLM's XQA kernel
+(``fp8_decode="xqa"``, ``xqa_decode.py``, Hopper only): the new rows stored first, the
+same index.
 
 Decode CUDA graphs get one decode wrapper per captured size, built over
 static index buffers (``use_cuda_graph=True``); ``prepare_replay`` re-plans
@@ -54,6 +57,7 @@ import numpy as np
 import torch
 
 from splitserve.config import FP8_DECODE_KERNELS, KernelConfig
+from splitserve.kernels.fp8_decode_cuda import TILE, FP8DecodeKernel
 from splitserve.kernels.kv_store import FP8_DTYPE
 from splitserve.kernels.triton.decode_attention import NORM_ROPE_MAX_BATCH, decode_attention
 from splitserve.workers.attention.base import (
@@ -178,15 +182,26 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         if fp8_decode not in FP8_DECODE_KERNELS:
             raise ValueError(f"fp8_decode must be one of {FP8_DECODE_KERNELS}, got {fp8_decode!r}")
-        xqa = fp8_decode == "xqa" and kv_dtype == FP8_DTYPE
-        if xqa and (capability := torch.cuda.get_device_capability(device))[0] != 9:
-            raise ValueError(
-                "kernels.fp8_decode: xqa runs XQA's Hopper kernel, which needs an SM90 GPU "
-                f"(this one is sm_{capability[0]}{capability[1]}); use split_kv"
-            )
         self._flashinfer = flashinfer
         self.kv_dtype = kv_dtype
-        self._xqa = XQADecode(head_dim, device) if xqa else None
+        # FP8 decode steps of the split-KV batches: XQA, the tensor-core kernel or None
+        # (the Triton kernel); "auto" and block sizes the tensor-core kernel cannot read
+        # are settled at the first step (``_fp8_kernel``).
+        self._fp8_decode = fp8_decode if kv_dtype == FP8_DTYPE else "split_kv"
+        self._fp8_kernels: dict[int, Any] = {}  # by block size
+        self._xqa: XQADecode | None = None
+        if self._fp8_decode == "xqa":
+            capability = torch.cuda.get_device_capability(device)
+            if capability[0] != 9:
+                raise ValueError(
+                    "kernels.fp8_decode: xqa runs XQA's Hopper kernel, which needs an SM90 "
+                    f"GPU (this one is sm_{capability[0]}{capability[1]}); use split_kv"
+                )
+            self._xqa = XQADecode(head_dim, device)
+        if self._fp8_decode == "mma":
+            why = FP8DecodeKernel.supports(device, head_dim, num_heads // num_kv_heads, TILE)
+            if why is not None:
+                raise ValueError(f"kernels.fp8_decode: mma: {why}; use auto or split_kv")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         if decode_tensor_cores is None:
@@ -280,6 +295,21 @@ class FlashInferAttentionBackend(AttentionBackend):
             and fb.kv_cache.layout.dtype in (self.dtype, FP8_DTYPE)
         )
 
+    def _fp8_kernel(self, kv_cache: KVCache) -> Any:
+        """The kernel of this cache's FP8 decode steps in the split-KV kernel's place
+        (called with its index), or None: the Triton kernel."""
+        block_size = kv_cache.block_size
+        if block_size not in self._fp8_kernels:
+            kernel = self._xqa if self._fp8_decode == "xqa" else None
+            if self._fp8_decode in ("auto", "mma"):
+                group = self.num_heads // self.num_kv_heads
+                why = FP8DecodeKernel.supports(self.device, self.head_dim, group, block_size)
+                if why is not None and self._fp8_decode == "mma":
+                    raise ValueError(f"kernels.fp8_decode: mma: {why}; use auto or split_kv")
+                kernel = FP8DecodeKernel() if why is None else None
+            self._fp8_kernels[block_size] = kernel
+        return self._fp8_kernels[block_size]
+
     def _can_run_ragged(self, fb: ForwardBatch) -> bool:
         return self.ragged_prefill and attends_own_kv(fb, self.dtype)
 
@@ -316,12 +346,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_cache, v_cache = kv_cache.layer(layer.layer_id)
         scales = kv_cache.layer_scales(layer.layer_id)
         meta = forward_batch.attn_metadata
-        if isinstance(meta, SplitKVDecodeMetadata) and self._xqa is not None:
+        fp8_kernel = self._fp8_kernel(kv_cache) if scales is not None else None
+        if isinstance(meta, SplitKVDecodeMetadata) and fp8_kernel is not None:
             kv_cache.store(layer.layer_id, k, v, forward_batch.slot_mapping)
-            # int32 as XQA reads them: the graphs' static index is (no copy), an eager
-            # step's is int64 (a copy a layer, inside the capture if there is one)
-            tables, lens = (t.to(torch.int32) for t in (meta.block_tables, meta.seq_lens))
-            return self._xqa(q, k_cache, v_cache, tables, lens, layer.scale, scales)
+            tables, lens = meta.block_tables, meta.seq_lens
+            if fp8_kernel is self._xqa:
+                # int32 as XQA reads them: the graphs' static index is (no copy), an eager
+                # step's is int64 (a copy a layer, inside the capture if there is one)
+                tables, lens = (t.to(torch.int32) for t in (tables, lens))
+            return fp8_kernel(q, k_cache, v_cache, tables, lens, layer.scale, scales)
         if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
             new_kv = (k, v, forward_batch.slot_mapping)
             return decode_attention(
@@ -382,9 +415,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _split_kv_metadata(self, fb: ForwardBatch) -> SplitKVDecodeMetadata:
         """The split-KV kernel norms q/k on load unless the cache is FP8 with scales the
         host has not seen set (the kernel may set them from the rows, which must be
-        normed); XQA never does."""
+        normed); XQA and the tensor-core kernel never do."""
         scales = fb.kv_cache.scales
-        may_norm = scales is None or (scales.calibrated and self._xqa is None)
+        may_norm = scales is None or (scales.calibrated and self._fp8_kernel(fb.kv_cache) is None)
         return SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor, may_norm)
 
 
