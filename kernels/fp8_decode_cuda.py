@@ -67,6 +67,7 @@ _SOURCE = r"""
 #define FULL 0xffffffffu
 #define LN2 0.69314718055994530942f
 #define NEG_INF __int_as_float(0xff800000)
+#define HEAD_TILES ((G + 7) / 8)
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -226,7 +227,7 @@ __device__ __forceinline__ void tile_values(u32 v_tile, int lane, const u32 (*p)
             u32 a[4] = {f16x2_of_e4m3x2(lo, 0), f16x2_of_e4m3x2(lo, 1),
                         f16x2_of_e4m3x2(hi, 0), f16x2_of_e4m3x2(hi, 1)};
             #pragma unroll
-            for (int t = 0; t < (G + 7) / 8; ++t)
+            for (int t = 0; t < HEAD_TILES; ++t)
                 mma_f16(o[t][2 * pc + half], a, p[t][0], p[t][1]);
         }
     }
@@ -288,9 +289,9 @@ fp8_decode(const u16* __restrict__ q, long long stride_qb, long long stride_qh,
 
     float m[2] = {NEG_INF, NEG_INF};  // running max (base 2) of head lane/4, lane/4 + 8
     float l[2] = {0.f, 0.f};              // this lane's part of their running sums
-    float o[(G + 7) / 8][CHUNKS][4];
+    float o[HEAD_TILES][CHUNKS][4];
     #pragma unroll
-    for (int t = 0; t < (G + 7) / 8; ++t)
+    for (int t = 0; t < HEAD_TILES; ++t)
         #pragma unroll
         for (int c = 0; c < CHUNKS; ++c)
             #pragma unroll
@@ -308,46 +309,52 @@ fp8_decode(const u16* __restrict__ q, long long stride_qb, long long stride_qh,
         tile_scores(k_tile, lane, qa, s);
 
         const int first = start + TILE * i + 2 * (lane & 3);
-        float alpha[2];
+        float top[2] = {NEG_INF, NEG_INF};
+        bool grows = false;
         #pragma unroll
-        for (int r = 0; r < (G > 8 ? 2 : 1); ++r) {
-            float top = NEG_INF;
+        for (int r = 0; r < HEAD_TILES; ++r) {
             #pragma unroll
             for (int j = 0; j < 2; ++j)
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     float x = first + 8 * j + e < end ? s[j][2 * r + e] * scale : NEG_INF;
                     s[j][2 * r + e] = x;
-                    top = fmaxf(top, x);
+                    top[r] = fmaxf(top[r], x);
                 }
-            const float m_new = fmaxf(m[r], quad_max(top));
-            alpha[r] = exp2_approx(m[r] - m_new);
-            m[r] = m_new;
-            float sum = 0.f;
+            top[r] = quad_max(top[r]);
+            grows |= top[r] > m[r];
+        }
+        if (__any_sync(FULL, grows)) {  // a running max grew: rescale (rarely after a few tiles)
+            #pragma unroll
+            for (int r = 0; r < HEAD_TILES; ++r) {
+                const float m_new = fmaxf(m[r], top[r]);
+                const float alpha = exp2_approx(m[r] - m_new);
+                m[r] = m_new;
+                l[r] *= alpha;
+                // the output rows' heads 8r + 2(lane % 4) + {0, 1}: their factors from lanes 4h
+                const float a_lo = __shfl_sync(FULL, alpha, 8 * (lane & 3));
+                const float a_hi = __shfl_sync(FULL, alpha, 8 * (lane & 3) + 4);
+                #pragma unroll
+                for (int c = 0; c < CHUNKS; ++c) {
+                    o[r][c][0] *= a_lo;
+                    o[r][c][1] *= a_hi;
+                    o[r][c][2] *= a_lo;
+                    o[r][c][3] *= a_hi;
+                }
+            }
+        }
+        u32 p[HEAD_TILES][2];
+        #pragma unroll
+        for (int r = 0; r < HEAD_TILES; ++r) {
             #pragma unroll
             for (int j = 0; j < 2; ++j)
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    s[j][2 * r + e] = exp2_approx(s[j][2 * r + e] - m_new);
-                    sum += s[j][2 * r + e];
+                    s[j][2 * r + e] = exp2_approx(s[j][2 * r + e] - m[r]);
+                    l[r] += s[j][2 * r + e];
                 }
-            l[r] = l[r] * alpha[r] + sum;
-        }
-        u32 p[(G + 7) / 8][2];
-        #pragma unroll
-        for (int t = 0; t < (G + 7) / 8; ++t) {
-            // the output rows' heads 8t + 2(lane % 4) + {0, 1}: their factors from lanes 4h
-            const float a_lo = __shfl_sync(FULL, alpha[t], 8 * (lane & 3));
-            const float a_hi = __shfl_sync(FULL, alpha[t], 8 * (lane & 3) + 4);
-            #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                o[t][c][0] *= a_lo;
-                o[t][c][1] *= a_hi;
-                o[t][c][2] *= a_lo;
-                o[t][c][3] *= a_hi;
-            }
-            p[t][0] = f16x2_of_floats(s[0][2 * t], s[0][2 * t + 1]);
-            p[t][1] = f16x2_of_floats(s[1][2 * t], s[1][2 * t + 1]);
+            p[r][0] = f16x2_of_floats(s[0][2 * r], s[0][2 * r + 1]);
+            p[r][1] = f16x2_of_floats(s[1][2 * r], s[1][2 * r + 1]);
         }
         tile_values(k_tile + TILE_BYTES, lane, p, o);
     }
@@ -355,7 +362,7 @@ fp8_decode(const u16* __restrict__ q, long long stride_qb, long long stride_qh,
 
     const float v = *v_scale;
     #pragma unroll
-    for (int t = 0; t < (G + 7) / 8; ++t) {
+    for (int t = 0; t < HEAD_TILES; ++t) {
         const float total = quad_sum(l[t]);
         if ((lane & 3) == 0 && splits > 1 && lane / 4 + 8 * t < G) {
             const long long row = (b * num_heads + head0 + lane / 4 + 8 * t) * splits + split;

@@ -1,6 +1,9 @@
 """splitserve: LLM serving on Ray with disaggregated prefill and decode."""
 
+from splitserve.import_path import unshadow_kernels
 from splitserve.sampling_params import SamplingParams
+
+unshadow_kernels()
 
 __all__ = ["LLM", "SamplingParams"]
 
