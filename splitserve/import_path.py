@@ -38,6 +38,8 @@ def _shadowed() -> bool:
         spec = importlib.util.find_spec("kernels")
     except (ImportError, ValueError):
         return False
-    return spec is not None and spec.origin is not None and (
-        Path(spec.origin).resolve().parent == ROOT / "kernels"
+    return (
+        spec is not None
+        and spec.origin is not None
+        and (Path(spec.origin).resolve().parent == ROOT / "kernels")
     )
