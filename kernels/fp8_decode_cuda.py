@@ -115,14 +115,14 @@ __device__ __forceinline__ u32 f16x2_of_floats(float lo, float hi) {
     return r;
 }
 
-__device__ __forceinline__ u32 out_pair(float lo, float hi) {
-    u32 r;
+__device__ __forceinline__ u32 out_pair(float lo, float hi) {  // in q's dtype
 #if Q_BF16
+    u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
     return r;
+#else
+    return f16x2_of_floats(lo, hi);
+#endif
 }
 
 __device__ __forceinline__ float q_float(u16 h) {
@@ -141,17 +141,14 @@ __device__ __forceinline__ u32 permute_bytes(u32 x, u32 selector) {
     return r;
 }
 
-__device__ __forceinline__ float exp2_approx(float x) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
-__device__ __forceinline__ float log2_approx(float x) {
-    float r;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
+#define FLOAT_OP(name, ptx)                                        \
+    __device__ __forceinline__ float name(float x) {               \
+        float r;                                                   \
+        asm(ptx " %0, %1;" : "=f"(r) : "f"(x));                    \
+        return r;                                                  \
+    }
+FLOAT_OP(exp2_approx, "ex2.approx.ftz.f32")
+FLOAT_OP(log2_approx, "lg2.approx.ftz.f32")
 
 __device__ __forceinline__ void mma_f16(float* c, const u32* a, u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
