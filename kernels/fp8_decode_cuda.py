@@ -191,14 +191,12 @@ __device__ __forceinline__ void load_q(const u16* q_heads, long long stride_qh, 
 
 // One tile's scores: s[j] is the product for tokens 8j .. 8j + 7 (C fragments: a lane holds
 // head lane / 4, tokens 8j + 2(lane % 4) + {0, 1} in s[j][0..1], head + 8 in s[j][2..3]).
-__device__ __forceinline__ void tile_scores(u32 k_tile, int lane, const u32 (*qa)[4],
+__device__ __forceinline__ void tile_scores(u32 k_tile, const u32* at, const u32 (*qa)[4],
                                             float (*s)[4]) {
-    const int row = ((lane >> 3) & 1) * 8 + (lane & 7);  // the token row this lane addresses
     #pragma unroll
     for (int p = 0; p < CHUNKS / 2; ++p) {
-        const int chunk = 2 * p + (lane >> 4);
         u32 r[4];  // tokens 0-7 / 8-15 of chunk 2p, then of chunk 2p + 1
-        ldsm_x4(k_tile + row * D + ((chunk ^ (row & 7)) << 4), r);
+        ldsm_x4(k_tile + at[p], r);
         #pragma unroll
         for (int m = 0; m < 4; ++m)
             mma_f16(s[m & 1], qa[2 * p + (m >> 1)], f16x2_of_e4m3x2(r[m], 0),
@@ -208,14 +206,12 @@ __device__ __forceinline__ void tile_scores(u32 k_tile, int lane, const u32 (*qa
 
 // o[t][c] += V^T P^T for chunk c's 16 dims (rows: dims 16c + 2(lane / 4), then + 1) and
 // heads 8t + 2(lane % 4) + {0, 1}; p[t] are the B fragments of the tile's probabilities.
-__device__ __forceinline__ void tile_values(u32 v_tile, int lane, const u32 (*p)[2],
+__device__ __forceinline__ void tile_values(u32 v_tile, const u32* at, const u32 (*p)[2],
                                             float (*o)[CHUNKS][4]) {
-    const int row = ((lane >> 3) & 1) * 8 + (lane & 7);
     #pragma unroll
     for (int pc = 0; pc < CHUNKS / 2; ++pc) {
-        const int chunk = 2 * pc + (lane >> 4);
         u32 r[4];  // per lane: tokens 2(lane % 4) + {0, 1} x dims 2(lane / 4) + {0, 1}
-        ldsm_x4_trans(v_tile + row * D + ((chunk ^ (row & 7)) << 4), r);
+        ldsm_x4_trans(v_tile + at[pc], r);
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             // bytes (t, d) (t, d+1) (t+1, d) (t+1, d+1) -> (t, d) (t+1, d) (t, d+1) (t+1, d+1)
@@ -258,9 +254,27 @@ fp8_decode(const u16* __restrict__ q, long long stride_qb, long long stride_qh,
     u32 qa[CHUNKS][4];
     load_q(q + b * stride_qb + head0 * stride_qh, stride_qh, lane, qa);
 
+    // Where this lane's parts of a tile go, computed once: its four 16-byte chunks of the
+    // tile's rows (offsets from the tile's first row in the cache and in a ring slot),
+    // and the rows its ldmatrix loads address (offsets in a slot, one a pair of chunks).
+    int rows[TILE * CHUNKS / 32], src[TILE * CHUNKS / 32];
+    u32 dst[TILE * CHUNKS / 32], at[CHUNKS / 2];
+    #pragma unroll
+    for (int j = 0; j < TILE * CHUNKS / 32; ++j) {
+        const int c = lane + 32 * j, chunk = c % CHUNKS;
+        rows[j] = c / CHUNKS;
+        src[j] = rows[j] * (int)stride_token + 16 * chunk;
+        dst[j] = rows[j] * D + ((chunk ^ (rows[j] & 7)) << 4);
+    }
+    #pragma unroll
+    for (int p = 0; p < CHUNKS / 2; ++p) {
+        const int row = ((lane >> 3) & 1) * 8 + (lane & 7), chunk = 2 * p + (lane >> 4);
+        at[p] = row * D + ((chunk ^ (row & 7)) << 4);
+    }
+
     const u32 ring = smem_u32(smem) + warp * STAGES * STAGE_BYTES;
     int blocks = 0;  // lane j: the cache block of tile 32 * (i / 32) + j
-    auto issue = [&](int i) {  // tile i's K and V rows into its slot of the ring
+    auto issue = [&](int i, int slot) {  // tile i's K and V rows into a slot of the ring
         if (i < tiles) {
             if ((i & 31) == 0) {
                 const int t = i + lane;
@@ -270,15 +284,15 @@ fp8_decode(const u16* __restrict__ q, long long stride_qb, long long stride_qh,
             const int first = start + TILE * i;
             const long long base = (long long)block * stride_block +
                                    (long long)(first % BLOCK_SIZE) * stride_token + kv_head * D;
-            const u32 slot = ring + (i % STAGES) * STAGE_BYTES;
+            const unsigned char* k_rows = k_cache + base;
+            const unsigned char* v_rows = v_cache + base;
+            const u32 to = ring + slot * STAGE_BYTES;
             #pragma unroll
             for (int j = 0; j < TILE * CHUNKS / 32; ++j) {
-                const int c = lane + 32 * j, row = c / CHUNKS, chunk = c % CHUNKS;
-                const bool live = first + row < end;  // zeros past the run
-                const long long at = base + (live ? row * stride_token + 16 * chunk : 0);
-                const u32 dst = slot + row * D + ((chunk ^ (row & 7)) << 4);
-                cp_async16(dst, k_cache + at, live ? 16 : 0);
-                cp_async16(dst + TILE_BYTES, v_cache + at, live ? 16 : 0);
+                const bool live = rows[j] < end - first;  // zeros past the run
+                const int from = live ? src[j] : 0;
+                cp_async16(to + dst[j], k_rows + from, live ? 16 : 0);
+                cp_async16(to + dst[j] + TILE_BYTES, v_rows + from, live ? 16 : 0);
             }
         }
         cp_async_commit();
@@ -295,15 +309,17 @@ fp8_decode(const u16* __restrict__ q, long long stride_qb, long long stride_qh,
             for (int e = 0; e < 4; ++e) o[t][c][e] = 0.f;
 
     #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) issue(i);
+    for (int i = 0; i < STAGES - 1; ++i) issue(i, i);
+    int slot = 0;  // tile i's, i % STAGES; the next issue's is the one before it
     for (int i = 0; i < tiles; ++i) {
         __syncwarp();  // every lane is done with the slot the next issue overwrites
-        issue(i + STAGES - 1);
+        issue(i + STAGES - 1, slot == 0 ? STAGES - 1 : slot - 1);
         cp_async_wait<STAGES - 1>();
         __syncwarp();
-        const u32 k_tile = ring + (i % STAGES) * STAGE_BYTES;
+        const u32 k_tile = ring + slot * STAGE_BYTES;
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-        tile_scores(k_tile, lane, qa, s);
+        tile_scores(k_tile, at, qa, s);
 
         const int first = start + TILE * i + 2 * (lane & 3);
         float top[2] = {NEG_INF, NEG_INF};
@@ -353,7 +369,7 @@ fp8_decode(const u16* __restrict__ q, long long stride_qb, long long stride_qh,
             p[r][0] = f16x2_of_floats(s[0][2 * r], s[0][2 * r + 1]);
             p[r][1] = f16x2_of_floats(s[1][2 * r], s[1][2 * r + 1]);
         }
-        tile_values(k_tile + TILE_BYTES, lane, p, o);
+        tile_values(k_tile + TILE_BYTES, at, p, o);
     }
     cp_async_wait<0>();
 
