@@ -9,7 +9,8 @@ Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16):
   too), in a bf16 cache and in an FP8 cache with calibrated scales, through the
   engine's FlashInfer backend: the Triton split-KV kernel (the engine's choice at
   batch 64) and FlashInfer's tensor-core and CUDA-core decode, and for FP8 the CUDA
-  tensor-core kernel (``kernels/fp8_decode_cuda.py``, ``kernels.fp8_decode: mma``) and
+  tensor-core kernel (``kernels/fp8_decode_cuda.py``, the engine's FP8 choice where it
+  runs: ``kernels.fp8_decode: auto``) and
   TensorRT-LLM's XQA kernel through FlashInfer (Hopper; q and the
   softmax's probabilities in e4m3, so its tolerance is wider). Each against its own floor: the
   KV bytes it reads (1 byte an element in FP8, 2 in bf16) plus q and out at the

@@ -199,14 +199,14 @@ class KernelConfig:
     # Decode steps of up to this many requests run the Triton split-KV attention
     # kernel (FlashInfer backend); 0: FlashInfer's decode kernels for every batch.
     split_kv_max_batch: int = 64
-    # Those decode steps over an FP8 KV cache: "split_kv" (the Triton kernel, tiles
-    # widened to float16), "mma" (the CUDA tensor-core kernel, ``kernels/fp8_decode_cuda.py``:
-    # sm89+, head_dim 128, up to 16 query heads a KV head; 1.04x its floor against the
-    # Triton kernel's 1.135x at 64 x 8k on an H100, the kernel alone), "auto" ("mma" where
-    # it runs, else "split_kv"), or "xqa" (TensorRT-LLM's XQA through FlashInfer, Hopper
-    # only: q and the probabilities rounded to e4m3, 7-8x the error). The default stays
-    # "split_kv" until the engine's GPU tests and graphs have run "mma" (TUNING.md).
-    fp8_decode: str = "split_kv"
+    # Those decode steps over an FP8 KV cache: "mma" (the CUDA tensor-core kernel,
+    # ``kernels/fp8_decode_cuda.py``: sm89+, head_dim 128, up to 16 query heads a KV head;
+    # 1.04x its floor against the Triton kernel's 1.14x at 64 x 8k on an H100, the kernel
+    # alone, 1.21x against 1.24x in the engine's graphs), "split_kv" (the Triton kernel,
+    # tiles widened to float16 too), "xqa" (TensorRT-LLM's XQA through FlashInfer, Hopper
+    # only: q and the probabilities rounded to e4m3, 7-8x the error), or "auto" (the
+    # default): "mma" where it runs, else "split_kv" (docs/perf/TUNING.md).
+    fp8_decode: str = "auto"
 
     def check(self) -> None:
         value = self.split_kv_max_batch

@@ -142,8 +142,8 @@ def test_engine_fp8_follows_bf16_kv_and_graphs_equal_eager(qwen3_hd128, fp8_deco
         backend = llm.engine.runner.attn_backend
         assert backend.name == "flashinfer"
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        kernels = {type(k) for k in backend._fp8_kernels.values()}  # by the steps' caches
-        assert kernels == ({FP8_KERNEL[fp8_decode]} if kv == "fp8_e4m3" else {type(None)})
+        if kv == "fp8_e4m3":  # the FP8 decode steps' kernel, by the caches' block sizes
+            assert {type(k) for k in backend._fp8_kernels.values()} == {FP8_KERNEL[fp8_decode]}
         outs[kv, graphs] = [list(o.outputs[0].token_ids) for o in got]
         if kv == "auto":
             sequences = [p + r for p, r in zip(prompts, outs[kv, graphs])]

@@ -33,7 +33,7 @@ def test_kernel_config_errors_name_the_key():
     assert config.kernels.split_kv_max_batch == 0  # FlashInfer decodes every batch
     with pytest.raises(ValueError, match="kernels.split_kv_max_batch=-1"):
         EngineConfig.from_dict({"kernels": {"split_kv_max_batch": -1}})
-    assert EngineConfig().kernels.fp8_decode == "split_kv"
+    assert EngineConfig().kernels.fp8_decode == "auto"
     assert EngineConfig.from_dict({"kernels": {"fp8_decode": "mma"}}).kernels.fp8_decode == "mma"
     assert EngineConfig.from_dict({"kernels": {"fp8_decode": "xqa"}}).kernels.fp8_decode == "xqa"
     with pytest.raises(ValueError, match="kernels.fp8_decode='flashinfer': must be one of"):

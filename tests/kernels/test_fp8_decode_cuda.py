@@ -49,11 +49,11 @@ def test_matches_reference(case, dtype, index_dtype):
     if why is not None:
         pytest.skip(why)
     q, k_cache, v_cache, tables, lens, scales = fp8_inputs(case, dtype)
-    for cache in (k_cache, v_cache):
-        poison_past_the_end(cache, tables, lens, case[4])
-    tables, lens = tables.to(index_dtype), lens.to(index_dtype)
     scale = case[3] ** -0.5
     want = reference(q.float(), k_cache, v_cache, tables, lens, scale, kv_scales=scales)
+    for cache in (k_cache, v_cache):  # after the reference, which multiplies them by 0
+        poison_past_the_end(cache, tables, lens, case[4])
+    tables, lens = tables.to(index_dtype), lens.to(index_dtype)
     out = FP8DecodeKernel()(q, k_cache, v_cache, tables, lens, scale, scales, splits=case[-1])
     assert out.dtype == dtype and out.shape == q.shape
     assert_close(out.float(), want, dtype)

@@ -36,8 +36,8 @@ once the host has seen the scales set (``KVScales.calibrated``): rows it norms a
 not in that calibration.
 
 Those FP8 decode steps run the CUDA tensor-core kernel instead (``fp8_decode="mma"``,
-``kernels/fp8_decode_cuda.py``; ``"auto"``: wherever it runs, sm89+, head dim 128,
-blocks of a multiple of 16 tokens) or TensorRT-LLM's XQA kernel
+``kernels/fp8_decode_cuda.py``; ``"auto"``, the default: wherever it runs, sm89+, head
+dim 128, blocks of a multiple of 16 tokens) or TensorRT-LLM's XQA kernel
 (``fp8_decode="xqa"``, ``xqa_decode.py``, Hopper only): the new rows stored first, the
 same index.
 
