@@ -198,10 +198,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                     f"GPU (this one is sm_{capability[0]}{capability[1]}); use split_kv"
                 )
             self._xqa = XQADecode(head_dim, device)
-        if self._fp8_decode == "mma":
-            why = FP8DecodeKernel.supports(device, head_dim, num_heads // num_kv_heads, TILE)
-            if why is not None:
-                raise ValueError(f"kernels.fp8_decode: mma: {why}; use auto or split_kv")
+        if self._fp8_decode == "mma":  # what a block size does not settle, refused now
+            _refuse_mma(FP8DecodeKernel.supports(device, head_dim, num_heads // num_kv_heads, TILE))
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.device = dtype, device
         if decode_tensor_cores is None:
@@ -304,8 +302,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             if self._fp8_decode in ("auto", "mma"):
                 group = self.num_heads // self.num_kv_heads
                 why = FP8DecodeKernel.supports(self.device, self.head_dim, group, block_size)
-                if why is not None and self._fp8_decode == "mma":
-                    raise ValueError(f"kernels.fp8_decode: mma: {why}; use auto or split_kv")
+                if self._fp8_decode == "mma":
+                    _refuse_mma(why)
                 kernel = FP8DecodeKernel() if why is None else None
             self._fp8_kernels[block_size] = kernel
         return self._fp8_kernels[block_size]
@@ -419,6 +417,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         scales = fb.kv_cache.scales
         may_norm = scales is None or (scales.calibrated and self._fp8_kernel(fb.kv_cache) is None)
         return SplitKVDecodeMetadata(fb.block_tables, fb.seq_lens_tensor, may_norm)
+
+
+def _refuse_mma(why: str | None) -> None:
+    """``kernels.fp8_decode: mma`` where the tensor-core kernel cannot run: why not."""
+    if why is not None:
+        raise ValueError(f"kernels.fp8_decode: mma: {why}; use auto or split_kv")
 
 
 def _write_index(fb: ForwardBatch) -> None:
