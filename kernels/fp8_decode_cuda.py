@@ -40,7 +40,7 @@ import torch
 from splitserve.kernels import tuning
 from splitserve.kernels.decode_attention import check_shapes
 from splitserve.kernels.kv_store import FP8_DTYPE
-from splitserve.kernels.triton.decode_attention import merge_splits
+from splitserve.kernels.triton.decode_attention import MAX_SPLITS, merge_splits
 from splitserve.kernels.triton.device import capability, sm_count
 from splitserve.kernels.tuning import FP8DecodeTiles
 
@@ -54,7 +54,6 @@ except ImportError:  # machines without cupy: ``FP8DecodeKernel.supports`` says 
 HEAD_DIM = 128  # the chunk swizzle and the fragments are laid out for it
 MAX_GROUP = 16  # query heads a KV head: the rows of the first product
 TILE = 16  # tokens a warp attends at a time
-MAX_SPLITS = 32
 
 _SOURCE = r"""
 // Defined by the host: G (query heads a KV head), BLOCK_SIZE (tokens a cache block),

@@ -347,12 +347,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         fp8_kernel = self._fp8_kernel(kv_cache) if scales is not None else None
         if isinstance(meta, SplitKVDecodeMetadata) and fp8_kernel is not None:
             kv_cache.store(layer.layer_id, k, v, forward_batch.slot_mapping)
-            tables, lens = meta.block_tables, meta.seq_lens
-            if fp8_kernel is self._xqa:
-                # int32 as XQA reads them: the graphs' static index is (no copy), an eager
-                # step's is int64 (a copy a layer, inside the capture if there is one)
-                tables, lens = (t.to(torch.int32) for t in (tables, lens))
-            return fp8_kernel(q, k_cache, v_cache, tables, lens, layer.scale, scales)
+            return fp8_kernel(
+                q, k_cache, v_cache, meta.block_tables, meta.seq_lens, layer.scale, scales
+            )
         if isinstance(meta, SplitKVDecodeMetadata):  # stores the new rows itself
             new_kv = (k, v, forward_batch.slot_mapping)
             return decode_attention(

@@ -11,7 +11,9 @@ K and V (the V scale here), and q's, whose product with it divided by the square
 of the head size scales q·K (so q's is ``softmax scale * sqrt(head_dim) * k / v``).
 
 It attends the pages as they are: the step's new rows go into the cache first. Its
-index is the split-KV kernel's (block tables and lengths on the device), in int32.
+index is the split-KV kernel's (block tables and lengths on the device), which XQA reads
+in int32: a graph's static index is (no copy), an eager step's int64 one is converted
+here (a copy a layer).
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ class XQADecode:
         q: torch.Tensor,  # [batch, num_heads, head_dim]
         k_cache: torch.Tensor,  # NHD [num_blocks, block_size, num_kv_heads, head_dim] FP8
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,  # [batch, blocks] int32
-        seq_lens: torch.Tensor,  # [batch] int32, the new token's row included
+        block_tables: torch.Tensor,  # [batch, blocks] int32 or int64
+        seq_lens: torch.Tensor,  # [batch] int32 or int64, the new token's row included
         scale: float,  # the softmax's
         kv_scales: tuple[torch.Tensor, torch.Tensor],  # [1] float32 K and V scales
     ) -> torch.Tensor:
+        block_tables, seq_lens = (t.to(torch.int32) for t in (block_tables, seq_lens))
         k_scale, v_scale = kv_scales
         q_scale = torch.div(k_scale, v_scale).mul_(scale * self.head_dim**0.5)
         q = q.contiguous().unsqueeze(1)  # [batch, beam 1, num_heads, head_dim]
