@@ -109,6 +109,26 @@ def test_flashinfer_backend_reads_fp8_like_torch(step, scales_set, decode):
     assert caches[0].scales.on_host() == caches[1].scales.on_host()
 
 
+def _backend(fp8_decode: str, head_dim: int = DIM):
+    from splitserve.workers.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(
+        HEADS, KV_HEADS, head_dim, torch.bfloat16, torch.device("cuda"), kv_dtype=FP8_DTYPE,
+        fp8_decode=fp8_decode,
+    )  # fmt: skip
+
+
+def test_auto_falls_back_where_the_tensor_core_kernel_cannot_run_and_mma_refuses():
+    blocks_of_8 = KVCache(KVLayout(2, KV_HEADS, DIM, 8, FP8_DTYPE), 64, "cuda")
+    assert isinstance(_backend("auto")._fp8_kernel(_cache(True)), FP8DecodeKernel)
+    assert _backend("auto")._fp8_kernel(blocks_of_8) is None  # the Triton kernel
+    with pytest.raises(ValueError, match="got head_dim 128, group 4, block_size 8.*use auto"):
+        _backend("mma")._fp8_kernel(blocks_of_8)
+    with pytest.raises(ValueError, match="got head_dim 64.*use auto or split_kv"):
+        _backend("mma", head_dim=64)  # refused at start-up
+    assert _backend("auto", head_dim=64)._fp8_kernel(_cache(True)) is None
+
+
 @pytest.fixture(scope="module")
 def qwen3_hd128(tmp_path_factory):
     return checkpoints.write_qwen3(tmp_path_factory.mktemp("qwen3-hd128"), head_dim=128)
