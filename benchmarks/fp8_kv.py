@@ -18,7 +18,9 @@ Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16):
   than bf16 in absolute time. One more FP8 row: the split-KV kernel as decode
   graphs captured before the host saw the scales set run it. Each variant is
   first checked against the torch backend on the same cache (relative error of
-  layer 0's output).
+  layer 0's output). For each, a layer's share of the graph, its call alone on the
+  same cache (L2 emptied, the host ahead) and each kernel's time inside the graph
+  (``kernel_times_us``, the profiler), to tell a kernel's time from what a layer adds.
 - handoff (two GPUs): a 4096-token prompt's KV of all 36 layers between two Ray
   actors through the NCCL transport, bf16 and FP8 in the same run: bytes moved
   and the median time from the first ``send_layer`` to the receiver's event; the
@@ -53,6 +55,7 @@ from roofline import (  # noqa: E402
     copy_bandwidth_gbps,
     device_slug,
     environment,
+    kernel_times_us,
     print_table,
     time_cuda_ms,
     write_report,
@@ -147,13 +150,19 @@ def decode_row(cache: KVCache, kv: str, kernels: str, bandwidth: float, repeat: 
     with torch.cuda.graph(graph):
         layers()
     ms = time_cuda_ms(graph.replay, warmup=3, repeat=repeat, flush_l2=True)
+    layer_alone_ms = time_cuda_ms(
+        lambda: backend.forward(q, k, v, specs[0], fb), repeat=repeat, flush_l2=True,
+        host_ahead=True,
+    )  # fmt: skip
+    in_graph = {name: us / LAYERS for name, us in kernel_times_us(graph.replay).items()}
     element = cache.layout.element_size
     kv_bytes = BATCH * (CONTEXT + 1) * 2 * KV_HEADS * DIM * element * LAYERS
     qo_bytes = 2 * BATCH * HEADS * DIM * 2 * LAYERS
     floor_ms = (kv_bytes + qo_bytes) / bandwidth / 1e6
     row.update(
-        ms=ms, floor_ms=floor_ms, x_floor=ms / floor_ms, gbps=(kv_bytes + qo_bytes) / ms / 1e6
-    )
+        ms=ms, floor_ms=floor_ms, x_floor=ms / floor_ms, gbps=(kv_bytes + qo_bytes) / ms / 1e6,
+        layer_us=ms * 1e3 / LAYERS, layer_alone_us=layer_alone_ms * 1e3, kernels_us=in_graph,
+    )  # fmt: skip
     return row
 
 
@@ -373,6 +382,13 @@ def main() -> None:
         print(f"copy bandwidth {bandwidth:.0f} GB/s; target: FP8 <= {TARGET_OF_FLOOR}x its floor")
         cols = ["kv", "kernels", "rel_error", "ms", "floor_ms", "x_floor", "gbps", "vs_bf16"]
         print_table(cols, [[r.get(c) for c in cols] for r in decode])
+        print("\nA layer: in the graph, its call alone (L2 emptied), its kernels in the graph")
+        timed = [r for r in decode if "kernels_us" in r]
+        cols = ["kv", "kernels", "layer_us", "layer_alone_us"]
+        print_table(cols, [[r[c] for c in cols] for r in timed])
+        for r in timed:
+            kernels = ", ".join(f"{n[:40]} {us:.1f} us" for n, us in r["kernels_us"].items())
+            print(f"{r['kv']} {r['kernels']}: {kernels}")
         for r in decode:
             if "error" in r:
                 print(f"{r['kv']} {r['kernels']}: {r['error']}")

@@ -20,6 +20,7 @@ import platform
 import re
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import median
@@ -100,6 +101,40 @@ def time_cuda_ms_back_to_back(
             fn()
     ms = time_cuda_ms(graph.replay, warmup=warmup, repeat=repeat, flush_l2=True)
     return ms / len(fns)
+
+
+def kernel_times_us(
+    fn: Callable[[], object], repeat: int = 4, device_type: str = "CUDA"
+) -> dict[str, float]:
+    """Mean microseconds a call of ``fn`` spends in each kernel, by name, from the profiler
+    (CUPTI shows a CUDA graph's replay kernel by kernel), L2 emptied before each call; the
+    flush's own kernels are profiled alone and taken off. ``device_type="CPU"`` gives the
+    ops' CPU times instead (no flush)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device_type == "CUDA"
+    flush = l2_flush_buffer() if cuda else None
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+
+    def profiled(call: Callable[[], object]) -> Counter:
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=[activity]) as prof:
+            for _ in range(repeat):
+                if flush is not None:
+                    evict_l2(flush)
+                call()
+            if cuda:
+                torch.cuda.synchronize()
+        totals: Counter = Counter()
+        for event in prof.events():
+            if event.device_type.name == device_type:
+                totals[event.name] += event.device_time_total if cuda else event.cpu_time_total
+        return totals
+
+    totals = profiled(fn)
+    totals.subtract(profiled(lambda: None))
+    return {name: us / repeat for name, us in totals.items() if us > 0}
 
 
 def l2_flush_buffer() -> torch.Tensor:

@@ -178,3 +178,11 @@ def test_evict_l2_refuses_an_unknown_way():
 def test_back_to_back_needs_calls():
     with pytest.raises(ValueError, match="at least one call"):
         roofline.time_cuda_ms_back_to_back([])
+
+
+def test_kernel_times_name_the_ops_a_call_runs():
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    times = roofline.kernel_times_us(lambda: torch.mm(a, b).relu_(), repeat=3, device_type="CPU")
+    assert {"aten::mm", "aten::relu_"} <= set(times)
+    assert all(us > 0 for us in times.values())
+    assert roofline.kernel_times_us(lambda: None, repeat=3, device_type="CPU") == {}
