@@ -35,6 +35,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+SIGNAL_POLL_S = 0.5  # how soon a signal another thread received is handled
 DRAIN_GRACE_S = 3.0  # after the drain deadline: the ingresses end the rest, errors go out
 
 
@@ -261,7 +262,11 @@ def _remove_stats_board(namespace: str) -> None:
 
 
 def _wait_for_signal() -> list[int]:
-    """Block until SIGINT or SIGTERM; the list of signals received grows after that."""
+    """Block until SIGINT or SIGTERM; the list of signals received grows after that.
+
+    The wait wakes every ``SIGNAL_POLL_S``: the kernel may deliver the signal to one of
+    Ray's threads, and Python runs its handler only once the main thread runs again (an
+    untimed wait stayed asleep until a second signal happened to reach it)."""
     stop, received = threading.Event(), []
 
     def on_signal(signum, _frame) -> None:
@@ -270,7 +275,8 @@ def _wait_for_signal() -> list[int]:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    stop.wait()
+    while not stop.wait(SIGNAL_POLL_S):
+        pass
     return received
 
 
