@@ -26,16 +26,15 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import tempfile
-import threading
 import time
 from importlib import resources
 from pathlib import Path
 
+from splitserve.cluster.stop_signals import StartupInterrupted, StopSignals
+
 logger = logging.getLogger(__name__)
 
-SIGNAL_POLL_S = 0.5  # how soon a signal another thread received is handled
 DRAIN_GRACE_S = 3.0  # after the drain deadline: the ingresses end the rest, errors go out
 
 
@@ -154,6 +153,7 @@ def serve_main(args: argparse.Namespace) -> int:
         fit_to_model,
     )
 
+    stop = StopSignals()  # from here on: a signal in start-up ends it cleanly
     started_ray = args.address is None
     run_dir = Path(tempfile.mkdtemp(prefix="splitserve-"))
     try:
@@ -174,6 +174,7 @@ def serve_main(args: argparse.Namespace) -> int:
     ray.init(
         address=args.address, namespace=config.app_name, log_to_driver=False, resources=resources
     )
+    stop.install()  # again: ray.init sets its own SIGTERM handler
     try:
         check_node_gpus(config, ray.nodes())
         if not started_ray and config.http.proxy == "haproxy":
@@ -187,17 +188,20 @@ def serve_main(args: argparse.Namespace) -> int:
     serve.start(http_options={"host": config.host, "port": config.port})
     try:
         try:
-            deploy(config)
+            with stop.interrupting():
+                deploy(config)
         except Exception as e:  # a replica failed to start: its cause, once
             cause = deployment_failure(config.app_name, e)
             print(f"splitserve serve: the deployment failed: {cause}", flush=True)
             return 1
+        except StartupInterrupted as e:  # Ctrl-C or SIGTERM while the replicas start
+            print(f"splitserve: {e} while deploying", flush=True)
+            return e.exit_code
         url = f"http://{config.host}:{config.port}/v1"
         address = ray.get_runtime_context().gcs_address
         print(f"splitserve: Ray cluster at {address}", flush=True)
         print(f"splitserve: serving {config.model_name} at {url}", flush=True)
-        signals = _wait_for_signal()
-        _drain(config, signals)
+        _drain(config, stop.wait())
     finally:
         print("splitserve: shutting down", flush=True)
         serve.delete(config.app_name)
@@ -259,25 +263,6 @@ def _remove_stats_board(namespace: str) -> None:
 
     with contextlib.suppress(ValueError):  # ValueError: it was never created
         ray.kill(ray.get_actor(BOARD_NAME, namespace=namespace))
-
-
-def _wait_for_signal() -> list[int]:
-    """Block until SIGINT or SIGTERM; the list of signals received grows after that.
-
-    The wait wakes every ``SIGNAL_POLL_S``: the kernel may deliver the signal to one of
-    Ray's threads, and Python runs its handler only once the main thread runs again (an
-    untimed wait stayed asleep until a second signal happened to reach it)."""
-    stop, received = threading.Event(), []
-
-    def on_signal(signum, _frame) -> None:
-        received.append(signum)
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    while not stop.wait(SIGNAL_POLL_S):
-        pass
-    return received
 
 
 def _drain(config, signals: list[int]) -> None:
