@@ -103,18 +103,7 @@ class DecodeGraphRunner:
 
     def _allocate(self) -> None:
         rows = self.sizes[-1]
-        long = {"dtype": torch.long, "device": self.device}
-        self._buffers = {
-            "input_ids": torch.zeros(rows, **long),
-            "positions": torch.zeros(rows, **long),
-            "slot_mapping": torch.full((rows,), -1, **long),
-            "seq_lens": torch.full((rows,), PAD_SEQ_LEN, dtype=torch.int32, device=self.device),
-            "query_start_loc": torch.arange(rows + 1, dtype=torch.int32, device=self.device),
-            "block_tables": torch.zeros(
-                rows, self.max_blocks_per_seq, dtype=torch.int32, device=self.device
-            ),
-            "logits_indices": torch.arange(rows, **long),
-        }
+        self._buffers = decode_graph_buffers(rows, self.max_blocks_per_seq, self.device)
         self.attn_backend.init_graph_buffers(rows, self.max_blocks_per_seq)
 
     def _static_batch(self, size: int) -> ForwardBatch:
@@ -291,6 +280,24 @@ def _padded(static: ForwardBatch, seq_lens: list[int], block_ids: list[list[int]
         seq_lens=seq_lens + [PAD_SEQ_LEN] * pad,
         block_ids=block_ids + [[NULL_BLOCK]] * pad,
     )
+
+
+def decode_graph_buffers(
+    rows: int, max_blocks_per_seq: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """A decode graph's static inputs for up to ``rows`` requests, every row at the null
+    page (the decode and draft graph runners capture with these)."""
+    long = {"dtype": torch.long, "device": device}
+    int32 = {"dtype": torch.int32, "device": device}
+    return {
+        "input_ids": torch.zeros(rows, **long),
+        "positions": torch.zeros(rows, **long),
+        "slot_mapping": torch.full((rows,), -1, **long),
+        "seq_lens": torch.full((rows,), PAD_SEQ_LEN, **int32),
+        "query_start_loc": torch.arange(rows + 1, **int32),
+        "block_tables": torch.zeros(rows, max_blocks_per_seq, **int32),
+        "logits_indices": torch.arange(rows, **long),
+    }
 
 
 def static_decode_batch(buffers: dict, size: int, kv_cache, attn_backend) -> ForwardBatch:

@@ -39,13 +39,15 @@ from splitserve.scheduler.block_manager import NULL_BLOCK
 from splitserve.workers.attention.base import AttentionBackend
 from splitserve.workers.kv.cache import KVCache
 from splitserve.workers.parallel.dispatch import DispatchMode, MoEDispatch
-from splitserve.workers.runner.cuda_graphs.decode_runner import static_decode_batch
+from splitserve.workers.runner.cuda_graphs.decode_runner import (
+    PAD_SEQ_LEN,
+    decode_graph_buffers,
+    static_decode_batch,
+)
 from splitserve.workers.runner.cuda_graphs.owner import CAPTURE_ERROR_MODE, GraphOwner, bucket
 from splitserve.workers.runner.forward_batch import ForwardBatch
 from splitserve.workers.runner.input_batch import padded_block_tables
 from splitserve.workers.runner.step_plan import plan_step
-
-PAD_SEQ_LEN = 1  # a padded row attends one zero key of the null page
 
 
 @dataclass
@@ -109,19 +111,10 @@ class DraftGraphRunner:
 
     def allocate(self, hidden_size: int, dtype: torch.dtype) -> None:
         rows = self.sizes[-1]
-        long = {"dtype": torch.long, "device": self.device}
-        self._buffers = {
-            "input_ids": torch.zeros(rows, **long),
-            "positions": torch.zeros(rows, **long),
-            "slot_mapping": torch.full((rows,), -1, **long),
-            "seq_lens": torch.full((rows,), PAD_SEQ_LEN, dtype=torch.int32, device=self.device),
-            "query_start_loc": torch.arange(rows + 1, dtype=torch.int32, device=self.device),
-            "block_tables": torch.zeros(
-                rows, self.max_blocks_per_seq, dtype=torch.int32, device=self.device
-            ),
-            "logits_indices": torch.arange(rows, **long),
-            "previous_hidden": torch.zeros(rows, hidden_size, dtype=dtype, device=self.device),
-        }
+        self._buffers = decode_graph_buffers(rows, self.max_blocks_per_seq, self.device)
+        self._buffers["previous_hidden"] = torch.zeros(
+            rows, hidden_size, dtype=dtype, device=self.device
+        )
         self.attn_backend.init_graph_buffers(rows, self.max_blocks_per_seq)
 
     def _static_batch(self, size: int) -> ForwardBatch:
