@@ -29,20 +29,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
-from importlib import resources
 from pathlib import Path
 
 from splitserve.cluster.ports import free_port
+from splitserve.cluster.serve_command import default_config_path  # noqa: F401  (re-exported)
 
 try:
     import process_cpu
 except ImportError:  # imported as benchmarks.serve_process (the tests)
     from benchmarks import process_cpu
-
-
-def default_config_path() -> Path:
-    """The embedded default (``configs/serve/default.yaml``), as ``splitserve serve`` has it."""
-    return Path(str(resources.files("splitserve.configs") / "serve" / "default.yaml"))
 
 
 def splitserve_command() -> list[str]:

@@ -39,6 +39,7 @@ DRAIN_GRACE_S = 3.0  # after the drain deadline: the ingresses end the rest, err
 
 
 def default_config_path() -> Path:
+    """The embedded default (``configs/serve/default.yaml``): tiny model, CPU."""
     return Path(str(resources.files("splitserve.configs") / "serve" / "default.yaml"))
 
 
