@@ -182,7 +182,9 @@ def serving(config: dict, directory: Path, startup_s: float = 180.0) -> Iterator
     assert any("shutting down" in line for line in log)
 
 
-def offline_greedy(model_dir: Path, num_blocks: int, max_model_len: int):
+def offline_greedy(
+    model_dir: Path, num_blocks: int, max_model_len: int, kv_cache_dtype: str = "auto"
+):
     """Greedy continuations from the offline engine (one step read back at a time),
     token ids in, token ids out: what the served completions must equal."""
     from splitserve.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -193,7 +195,7 @@ def offline_greedy(model_dir: Path, num_blocks: int, max_model_len: int):
         EngineConfig(
             model=str(model_dir),
             device="cpu",
-            cache=CacheConfig(num_kv_blocks=num_blocks),
+            cache=CacheConfig(num_kv_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_model_len=max_model_len, async_scheduling=False),
         )
     )
