@@ -20,7 +20,9 @@ Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16):
   first checked against the torch backend on the same cache (relative error of
   layer 0's output). For each, a layer's share of the graph, its call alone on the
   same cache (L2 emptied, the host ahead) and each kernel's time inside the graph
-  (``kernel_times_us``, the profiler), to tell a kernel's time from what a layer adds.
+  (``kernel_times_us``, the profiler), to tell a kernel's time from what a layer adds,
+  and the SM clock while they were timed (``gpu_clocks.py``: a kernel that converts
+  every element it reads slows with the clock, where a bf16 read does not).
 - handoff (two GPUs): a 4096-token prompt's KV of all 36 layers between two Ray
   actors through the NCCL transport, bf16 and FP8 in the same run: bytes moved
   and the median time from the first ``send_layer`` to the receiver's event; the
@@ -50,6 +52,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_clocks import ClockProbe  # noqa: E402
 from roofline import (  # noqa: E402
     command_line,
     copy_bandwidth_gbps,
@@ -149,12 +152,13 @@ def decode_row(cache: KVCache, kv: str, kernels: str, bandwidth: float, repeat: 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         layers()
-    ms = time_cuda_ms(graph.replay, warmup=3, repeat=repeat, flush_l2=True)
-    layer_alone_ms = time_cuda_ms(
-        lambda: backend.forward(q, k, v, specs[0], fb), repeat=repeat, flush_l2=True,
-        host_ahead=True,
-    )  # fmt: skip
-    in_graph = {name: us / LAYERS for name, us in kernel_times_us(graph.replay).items()}
+    with ClockProbe(device.index or 0) as clocks:
+        ms = time_cuda_ms(graph.replay, warmup=3, repeat=repeat, flush_l2=True)
+        layer_alone_ms = time_cuda_ms(
+            lambda: backend.forward(q, k, v, specs[0], fb), repeat=repeat, flush_l2=True,
+            host_ahead=True,
+        )  # fmt: skip
+        in_graph = {name: us / LAYERS for name, us in kernel_times_us(graph.replay).items()}
     element = cache.layout.element_size
     kv_bytes = BATCH * (CONTEXT + 1) * 2 * KV_HEADS * DIM * element * LAYERS
     qo_bytes = 2 * BATCH * HEADS * DIM * 2 * LAYERS
@@ -162,6 +166,7 @@ def decode_row(cache: KVCache, kv: str, kernels: str, bandwidth: float, repeat: 
     row.update(
         ms=ms, floor_ms=floor_ms, x_floor=ms / floor_ms, gbps=(kv_bytes + qo_bytes) / ms / 1e6,
         layer_us=ms * 1e3 / LAYERS, layer_alone_us=layer_alone_ms * 1e3, kernels_us=in_graph,
+        clocks=clocks.summary(),
     )  # fmt: skip
     return row
 
@@ -365,6 +370,10 @@ def run_graphs() -> list[dict]:
 # ---- main ------------------------------------------------------------------------
 
 
+def _limits(clocks: dict) -> str:
+    return ", ".join(clocks.get("limits", [])) or ("none" if clocks else "-")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -382,10 +391,17 @@ def main() -> None:
         print(f"copy bandwidth {bandwidth:.0f} GB/s; target: FP8 <= {TARGET_OF_FLOOR}x its floor")
         cols = ["kv", "kernels", "rel_error", "ms", "floor_ms", "x_floor", "gbps", "vs_bf16"]
         print_table(cols, [[r.get(c) for c in cols] for r in decode])
-        print("\nA layer: in the graph, its call alone (L2 emptied), its kernels in the graph")
+        print("\nA layer: in the graph, its call alone (L2 emptied), its kernels in the graph;")
+        print("the SM clock (median) and its limits while they were timed (nvidia-smi)")
         timed = [r for r in decode if "kernels_us" in r]
         cols = ["kv", "kernels", "layer_us", "layer_alone_us"]
-        print_table(cols, [[r[c] for c in cols] for r in timed])
+        print_table(
+            [*cols, "sm_mhz", "limits"],
+            [
+                [*(r[c] for c in cols), r["clocks"].get("sm_mhz"), _limits(r["clocks"])]
+                for r in timed
+            ],
+        )
         for r in timed:
             kernels = ", ".join(f"{n[:40]} {us:.1f} us" for n, us in r["kernels_us"].items())
             print(f"{r['kv']} {r['kernels']}: {kernels}")
