@@ -9,7 +9,8 @@ Qwen3-8B's attention shape (32 query heads, 8 KV heads, head dim 128, block 16),
 KV in scattered blocks (``--layout sequential``: each request's blocks in a row, as a
 fresh engine allocates them; FP8: N(0, 1) quantized with scales of 1/16), one layer's
 call as a decode step makes it (the new K/V row stored too; int64 tables, lengths and
-slots, as the engine passes them; the split count the kernel picks for the batch).
+slots, as an eager step passes them, where decode graphs pass int32 tables and lengths;
+the split count the kernel picks for the batch).
 Shapes: 64 requests at 8k tokens each (one split: the shape of the FP8 target), 32 and
 16 (two and four splits on an H200) and 8 (eight splits). Each configuration is
 checked against the default tiles' output first (relative error below 2e-2; the report
@@ -20,7 +21,8 @@ Tiles: tokens a tile, pipeline stages, warps, and for FP8 whether tiles and q go
 float16 for the products (``DecodeTiles``). FP8 also times the tensor-core CUDA kernel
 (``kernels/fp8_decode_cuda.py``, keys ``cuda/w<warps>/s<stages>/b<blocks an SM>``,
 ``FP8DecodeTiles``) with the Triton store of the new rows before it, as the engine
-runs it. ``--tiles`` times only the tilings named (the first is the reference), e.g.
+runs it. Each case's SM clock while its tilings ran (``gpu_clocks.py``) is printed and
+in the JSON. ``--tiles`` times only the tilings named (the first is the reference), e.g.
 under Nsight Compute:
 ``ncu --set full -k regex:_split_kernel -s 2 -c 1 python benchmarks/decode_tiles.py
 --shapes b64x8k --dtypes fp8 --tiles n128/s1/w2/f16``.
@@ -36,8 +38,10 @@ import torch
 
 try:  # run as a script: benchmarks/ is on the path
     import roofline
+    from gpu_clocks import ClockProbe, describe
 except ImportError:  # imported as a module
     from benchmarks import roofline
+    from benchmarks.gpu_clocks import ClockProbe, describe
 
 from splitserve.kernels import tuning
 from splitserve.kernels.decode_attention import decode_attention as reference_attention
@@ -73,22 +77,26 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     floors: dict[str, dict[str, float]] = {}
     errors: dict[str, dict[str, dict[str, float]]] = {}
+    clocks: dict[str, dict[str, dict]] = {}  # the SM clock while a case's tilings ran
     for (name, (batch, context)), kv in itertools.product(
         ((n, SHAPES[n]) for n in args.shapes), args.dtypes
     ):
         case = Case(batch, context, DTYPES[kv], device, args.layout)
         floors.setdefault(name, {})[kv] = case.bytes / copy_gbps / 1e3
         times = results.setdefault(name, {}).setdefault(kv, {})
-        for tiles in args.tiles or [defaults[kv], *candidates(kv, args.quick)]:
-            if key(tiles) not in times:
-                us = case.time_us(tiles)
-                if us is not None:
-                    times[key(tiles)] = us
-                    print(f"{name} {kv} {key(tiles)}: {us:.1f} us", flush=True)
+        with ClockProbe(device.index or 0) as probe:
+            for tiles in args.tiles or [defaults[kv], *candidates(kv, args.quick)]:
+                if key(tiles) not in times:
+                    us = case.time_us(tiles)
+                    if us is not None:
+                        times[key(tiles)] = us
+                        print(f"{name} {kv} {key(tiles)}: {us:.1f} us", flush=True)
+        clocks.setdefault(name, {})[kv] = probe.summary()
+        print(f"{name} {kv}: {describe(probe.summary())}", flush=True)
         errors.setdefault(name, {})[kv] = case.errors
         del case
         torch.cuda.empty_cache()
-    report(results, floors, errors, defaults, copy_gbps, args)
+    report(results, floors, errors, clocks, defaults, copy_gbps, args)
 
 
 class Case:
@@ -205,7 +213,7 @@ def parse_key(text: str) -> DecodeTiles | FP8DecodeTiles:
     return DecodeTiles(int(n), int(s), int(w), fp8_f16_dot=f16 is not None)
 
 
-def report(results, floors, errors, defaults, copy_gbps, args) -> None:
+def report(results, floors, errors, clocks, defaults, copy_gbps, args) -> None:
     rows = []
     for name, by_kv in results.items():
         for kv, times in by_kv.items():
@@ -227,6 +235,7 @@ def report(results, floors, errors, defaults, copy_gbps, args) -> None:
             "floor_us": floors,
             "us": results,
             "rel_error_vs_torch": errors,
+            "clocks": clocks,
         }
         roofline.write_report(path, payload)
         print(f"wrote {path}", flush=True)

@@ -52,7 +52,7 @@ from statistics import median
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_clocks import ClockProbe  # noqa: E402
+from gpu_clocks import ClockProbe, limits_text  # noqa: E402
 from roofline import (  # noqa: E402
     command_line,
     copy_bandwidth_gbps,
@@ -370,10 +370,6 @@ def run_graphs() -> list[dict]:
 # ---- main ------------------------------------------------------------------------
 
 
-def _limits(clocks: dict) -> str:
-    return ", ".join(clocks.get("limits", [])) or ("none" if clocks else "-")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -398,7 +394,7 @@ def main() -> None:
         print_table(
             [*cols, "sm_mhz", "limits"],
             [
-                [*(r[c] for c in cols), r["clocks"].get("sm_mhz"), _limits(r["clocks"])]
+                [*(r[c] for c in cols), r["clocks"].get("sm_mhz"), limits_text(r["clocks"])]
                 for r in timed
             ],
         )

@@ -82,6 +82,19 @@ def summarize(samples: list[dict]) -> dict:
     }
 
 
+def limits_text(summary: dict) -> str:
+    """A summary's clock limits for a table cell: their names, "none", or "-" (not sampled)."""
+    return ", ".join(summary.get("limits", [])) or ("none" if summary else "-")
+
+
+def describe(summary: dict) -> str:
+    """A summary in one line: the median SM clock against its maximum, and the limits."""
+    if not summary:
+        return "SM clock not sampled (no nvidia-smi)"
+    sm, top, watts = summary["sm_mhz"], summary["max_sm_mhz"], summary["peak_power_w"]
+    return f"SM {sm:.0f} MHz of {top:.0f}, peak {watts:.0f} W, limits: {limits_text(summary)}"
+
+
 class ClockProbe:
     def __init__(self, device_index: int = 0):
         self.device_index = device_index

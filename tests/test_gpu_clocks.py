@@ -4,7 +4,15 @@ that records nothing where there is no nvidia-smi."""
 import time
 
 from benchmarks import gpu_clocks
-from benchmarks.gpu_clocks import ClockProbe, limit_reasons, parse_sample, smi_device, summarize
+from benchmarks.gpu_clocks import (
+    ClockProbe,
+    describe,
+    limit_reasons,
+    limits_text,
+    parse_sample,
+    smi_device,
+    summarize,
+)
 
 # Two samples as an H100 answers under load: at its clock, then capped by power.
 LINES = (
@@ -63,3 +71,12 @@ def test_the_device_nvidia_smi_names_follows_cuda_visible_devices():
     assert smi_device(0, {}) == "0"
     assert smi_device(1, {"CUDA_VISIBLE_DEVICES": "3,5"}) == "5"
     assert smi_device(0, {"CUDA_VISIBLE_DEVICES": "GPU-8f2e, GPU-11aa"}) == "GPU-8f2e"
+
+
+def test_a_summary_in_one_line_and_in_a_cell():
+    summary = summarize([parse_sample(line) for line in LINES])
+    assert describe(summary) == "SM 1868 MHz of 1980, peak 699 W, limits: sw power cap"
+    assert limits_text(summary) == "sw power cap"
+    assert limits_text({**summary, "limits": []}) == "none"
+    assert limits_text({}) == "-"
+    assert describe({}) == "SM clock not sampled (no nvidia-smi)"
