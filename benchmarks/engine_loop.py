@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_clocks import clocks_now, describe  # noqa: E402
 from gpu_gaps import gpu_gaps, print_gaps  # noqa: E402
 from model_step import (  # noqa: E402
     CONTEXT,
@@ -247,17 +247,6 @@ def main() -> None:
     print(f"\nwrote {path}")
 
 
-def _clocks() -> str:
-    """The GPU's SM clock and power draw now (nvidia-smi), or '' without it."""
-    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader", "-i"]
-    try:
-        index = torch.cuda.current_device()
-        out = subprocess.run([*query, str(index)], capture_output=True, text=True, timeout=10)
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def sustained_prefill(engine: LLMEngine, n: int, flops: float, burst_tflops: float) -> dict:
     """``n`` back-to-back PREFILL_TOKENS-token forwards, each timed by CUDA events, after
     2 s idle, then the GEMM rate with the GPU as hot: each state against its own floor."""
@@ -272,12 +261,12 @@ def sustained_prefill(engine: LLMEngine, n: int, flops: float, burst_tflops: flo
         runner.model(fb.input_ids, fb.positions, fb)  # warm
         torch.cuda.synchronize()
         time.sleep(2.0)
-        idle = _clocks()
+        idle = describe(clocks_now(runner.device.index or 0))
         for start, end in events:
             start.record()
             runner.model(fb.input_ids, fb.positions, fb)
             end.record()
-        load = _clocks()  # queried while the forwards run
+        load = describe(clocks_now(runner.device.index or 0))  # while the forwards run
         torch.cuda.synchronize()
     ms = [round(start.elapsed_time(end), 2) for start, end in events]
     sustained_tflops = gemm_tflops(runner.device, sustain_s=2.0)
@@ -287,7 +276,7 @@ def sustained_prefill(engine: LLMEngine, n: int, flops: float, burst_tflops: flo
         (f"sustained (median of forwards 3-{n})", hot, sustained_tflops),
     ]
     print(f"\nPrefill forwards of {PREFILL_TOKENS} tokens, back to back, ms: {ms}")
-    print(f"SM clock, power: idle {idle}; under load {load}")
+    print(f"idle: {idle}; under load: {load}")
     table = [
         [name, t, round(r, 1), round(flops / r / 1e9, 2), round(t * r * 1e9 / flops, 3)]
         for name, t, r in rows

@@ -15,6 +15,7 @@ Without ``nvidia-smi`` it samples nothing and ``summary()`` is ``{}``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -90,12 +91,21 @@ def limits_text(summary: dict) -> str:
 def describe(summary: dict) -> str:
     """A summary in one line: the median SM clock against its maximum, and the limits."""
     if not summary:
-        return "SM clock not sampled (no nvidia-smi)"
+        return "SM clock not sampled"
     sm, top, watts = summary["sm_mhz"], summary["max_sm_mhz"], summary["peak_power_w"]
     return f"SM {sm:.0f} MHz of {top:.0f}, peak {watts:.0f} W, limits: {limits_text(summary)}"
 
 
+def clocks_now(device_index: int = 0) -> dict:
+    """One sample, summarized: the clocks at this moment ({} without nvidia-smi)."""
+    probe = ClockProbe(device_index)
+    probe.sample()
+    return probe.summary()
+
+
 class ClockProbe:
+    """Samples ``nvidia-smi`` while its block runs (see the module docstring)."""
+
     def __init__(self, device_index: int = 0):
         self.device_index = device_index
         self.samples: list[dict] = []
@@ -105,7 +115,7 @@ class ClockProbe:
 
     def __enter__(self) -> ClockProbe:
         if self._query is not None:
-            self._sample()
+            self.sample()
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
         return self
@@ -114,19 +124,23 @@ class ClockProbe:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-            self._sample()
+            self.sample()
 
     def summary(self) -> dict:
         return summarize(self.samples)
 
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_S):
-            self._sample()
+            self.sample()
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
+        """One sample now; none without nvidia-smi, or where a field reads [N/A]."""
+        if self._query is None:
+            return
         out = subprocess.run(self._query, capture_output=True, text=True, timeout=10)
         if out.returncode == 0:
-            self.samples.append(parse_sample(out.stdout.strip().splitlines()[0]))
+            with contextlib.suppress(ValueError):
+                self.samples.append(parse_sample(out.stdout.strip().splitlines()[0]))
 
 
 def _query_command(device_index: int) -> list[str] | None:

@@ -6,6 +6,7 @@ import time
 from benchmarks import gpu_clocks
 from benchmarks.gpu_clocks import (
     ClockProbe,
+    clocks_now,
     describe,
     limit_reasons,
     limits_text,
@@ -79,4 +80,26 @@ def test_a_summary_in_one_line_and_in_a_cell():
     assert limits_text(summary) == "sw power cap"
     assert limits_text({**summary, "limits": []}) == "none"
     assert limits_text({}) == "-"
-    assert describe({}) == "SM clock not sampled (no nvidia-smi)"
+    assert describe({}) == "SM clock not sampled"
+
+
+def _fake_smi(tmp_path, line: str) -> None:
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\necho "{line}"\n')
+    smi.chmod(0o755)
+
+
+def test_clocks_now_is_one_sample(tmp_path, monkeypatch):
+    _fake_smi(tmp_path, LINES[0])
+    monkeypatch.setenv("PATH", str(tmp_path))
+    now = clocks_now(0)
+    assert (now["sm_mhz"], now["samples"], now["limits"]) == (1980.0, 1, [])
+
+
+def test_a_field_that_reads_not_available_is_no_sample(tmp_path, monkeypatch):
+    """A GPU without a power reading answers [N/A]: no sample, no exception."""
+    _fake_smi(tmp_path, "1980, 1980, 2619, [N/A], 61, 0x0000000000000000")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with ClockProbe(0) as clocks:
+        pass
+    assert clocks.samples == [] and describe(clocks.summary()).startswith("SM clock not")
