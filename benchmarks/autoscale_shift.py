@@ -33,12 +33,13 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_process import (  # noqa: E402
-    default_config_path,
     git_commit,
     host_info,
     metric_values,
     served,
 )
+
+from splitserve.cluster.serve_command import default_config_path  # noqa: E402
 
 POOLS = ("prefill", "decode")
 AUTOSCALING = {

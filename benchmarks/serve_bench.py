@@ -60,6 +60,8 @@ from pathlib import Path
 
 import yaml
 
+from splitserve.cluster.serve_command import default_config_path
+
 try:
     import http_floor
     import roofline
@@ -442,7 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, help="PNG of latency and goodput against load")
     args = p.parse_args(argv)
     if not args.config and not args.url:
-        args.config = [sp.default_config_path()]
+        args.config = [default_config_path()]
     if args.repeat < 1:
         p.error(f"--repeat {args.repeat}: must be >= 1")
     if args.url and len(args.config) > 1:

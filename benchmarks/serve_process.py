@@ -32,7 +32,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from splitserve.cluster.ports import free_port
-from splitserve.cluster.serve_command import default_config_path  # noqa: F401  (re-exported)
 
 try:
     import process_cpu

@@ -31,7 +31,9 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_process import default_config_path, metric_values, served  # noqa: E402
+from serve_process import metric_values, served  # noqa: E402
+
+from splitserve.cluster.serve_command import default_config_path  # noqa: E402
 
 STARTUP_S = 600.0  # the server's start, /health answering 200
 

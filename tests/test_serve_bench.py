@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import serve_bench, serve_engine, serve_process, serve_report, slo_grid
+from benchmarks import serve_bench, serve_engine, serve_report, slo_grid
 from benchmarks.serve_load import RequestResult, random_prompts, read_prompts_file, summarize
+from splitserve.cluster.serve_command import default_config_path
 from splitserve.workers.engine.torch_profiler import read_trace, step_names
 
 
@@ -271,7 +272,7 @@ def test_serve_bench_against_the_embedded_default(tmp_path, monkeypatch):
     write_partial = serve_bench.write_partial
     monkeypatch.setattr(serve_bench, "write_partial", spy)
     serve_bench.main(
-        ["--config", str(serve_process.default_config_path()), "--input-len", "40"]
+        ["--config", str(default_config_path()), "--input-len", "40"]
         + ["--output-len", str(max_tokens), "--num-prompts", str(num), "--warmup", "2"]
         + ["--max-concurrency", "2", "--request-rate", "50", "--engine-baseline"]
         + [
@@ -447,7 +448,8 @@ def test_a_terminated_benchmark_stops_the_server_it_started(tmp_path):
     script = (
         "import sys, time\n"
         "from benchmarks import serve_process as sp\n"
-        f"with sp.served(sp.default_config_path(), '127.0.0.1', None, None, 300, {str(log)!r}):\n"
+        "from splitserve.cluster.serve_command import default_config_path\n"
+        f"with sp.served(default_config_path(), '127.0.0.1', None, None, 300, {str(log)!r}):\n"
         "    print('up', flush=True)\n"
         "    time.sleep(600)\n"
     )
