@@ -91,8 +91,8 @@ def main() -> None:
                     if us is not None:
                         times[key(tiles)] = us
                         print(f"{name} {kv} {key(tiles)}: {us:.1f} us", flush=True)
-        clocks.setdefault(name, {})[kv] = probe.summary()
-        print(f"{name} {kv}: {describe(probe.summary())}", flush=True)
+        clocks.setdefault(name, {})[kv] = summary = probe.summary()
+        print(f"{name} {kv}: {describe(summary)}", flush=True)
         errors.setdefault(name, {})[kv] = case.errors
         del case
         torch.cuda.empty_cache()
