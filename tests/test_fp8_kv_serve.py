@@ -29,9 +29,8 @@ def test_served_fp8_greedy_equals_the_offline_fp8_engine(tmp_path):
     config = one_prefill_one_decode_config(model_dir, NUM_BLOCKS, MAX_MODEL_LEN)
     config["engine"]["cache"]["kv_cache_dtype"] = "fp8_e4m3"
     offline = offline_greedy(model_dir, NUM_BLOCKS, MAX_MODEL_LEN, kv_cache_dtype="fp8_e4m3")
-    (tmp_path / "serve").mkdir()
     prompt_tokens = []
-    with serving(config, tmp_path / "serve") as server:
+    with serving(config, tmp_path) as server:
         for prompt in PROMPTS:
             body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
             status, out = server.post("/v1/completions", body)

@@ -71,12 +71,15 @@ def test_a_signal_interrupts_start_up_in_the_block_or_at_its_start():
     ]
 
 
-@pytest.mark.parametrize("inherited", ["default", "ignored"])
-def test_a_stop_signal_while_deploying_stops_cleanly(inherited):
+@pytest.mark.parametrize(
+    ("sig", "inherited"),
+    [(signal.SIGINT, "default"), (signal.SIGINT, "ignored"), (signal.SIGTERM, "default")],
+)
+def test_a_stop_signal_while_deploying_stops_cleanly(sig, inherited):
     """SIGINT while the replicas start: the app is deleted and Ray stopped, exit 130, a
     line that says so and no traceback; also where the server inherited SIGINT ignored,
     as a command started with ``&`` from a script does (the signal was dropped then, and
-    the server served on)."""
+    the server served on); and SIGTERM, whose handler ``ray.init`` replaces (143)."""
     cmd = [*splitserve_command(), "serve", "--port", str(free_port())]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     ignore = (
@@ -92,12 +95,12 @@ def test_a_stop_signal_while_deploying_stops_cleanly(inherited):
             lines.append(line)
             if "Started Serve" in line:
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
     out = "".join(lines) + out
-    assert proc.returncode == 128 + signal.SIGINT, out
-    assert "splitserve: SIGINT while deploying" in out
+    assert proc.returncode == 128 + sig, out
+    assert f"splitserve: {signal.Signals(sig).name} while deploying" in out
     assert "splitserve: shutting down" in out
     assert "Traceback" not in out
